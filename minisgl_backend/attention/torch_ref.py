@@ -1,0 +1,87 @@
+"""The reference attention backend: plain torch over the paged pool, on CPU or GPU.
+
+It is the correctness oracle the fast GPU backends are tested against, so it favours clarity:
+prefill attends request by request; decode gathers a padded [batch, max_len] block at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl_backend.attention.base import AttentionBackend
+from minisgl_backend.core import Batch
+from minisgl_backend.kvcache.pool import PagedKVPool
+
+
+@dataclass
+class TorchAttnMetadata:
+    kv_slots: torch.Tensor  # [bs, max_seq_len] slot of every token (padding: the dummy slot)
+    kv_mask: torch.Tensor  # [bs, 1, q_len or 1, max_seq_len] True where a query may attend
+
+
+def token_slots(page_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                page_size: int) -> torch.Tensor:
+    """Flat pool slot of each (row, position) pair."""
+    pages = page_table[rows, torch.div(positions, page_size, rounding_mode="floor")]
+    return pages.long() * page_size + positions % page_size
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool: PagedKVPool, num_heads: int, head_dim: int) -> None:
+        self.kv_pool = kv_pool
+        self.scale = head_dim**-0.5
+
+    def prepare(self, batch: Batch, page_table: torch.Tensor) -> None:
+        device = batch.input_ids.device
+        max_len = max(batch.seq_lens)
+        pos = torch.arange(max_len, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, device=device)
+        valid = pos[None, :] < seq_lens[:, None]  # [bs, max_len]
+        rows = batch.rows[:, None].expand(-1, max_len)
+        slots = token_slots(page_table, rows, pos[None, :].clamp(max=max_len - 1).expand_as(rows),
+                            self.kv_pool.page_size)
+        slots = slots.masked_fill(~valid, self.kv_pool.dummy_slot)
+        if batch.is_decode:
+            mask = valid[:, None, None, :]
+        else:
+            max_q = max(batch.extend_lens)
+            q_pos = (seq_lens - torch.tensor(batch.extend_lens, device=device))[:, None] + \
+                torch.arange(max_q, device=device)[None, :]  # [bs, max_q]
+            mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]
+            mask = mask[:, None]  # [bs, 1, max_q, max_len]
+        batch.attn_metadata = TorchAttnMetadata(kv_slots=slots, kv_mask=mask)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        self.kv_pool.store(layer_id, batch.out_slots, k, v)
+        meta: TorchAttnMetadata = batch.attn_metadata
+        k_all = self.kv_pool.k_cache(layer_id)[meta.kv_slots]  # [bs, max_len, kv_heads, dim]
+        v_all = self.kv_pool.v_cache(layer_id)[meta.kv_slots]
+        if batch.is_decode:
+            out = self._attend(q[:, None], k_all, v_all, meta.kv_mask)  # [bs, 1, heads, dim]
+            return out.reshape(q.shape[0], -1)
+        outputs = []
+        start = 0
+        for i, n in enumerate(batch.extend_lens):
+            length = batch.seq_lens[i]
+            mask = meta.kv_mask[i : i + 1, :, :n, :length]
+            o = self._attend(q[None, start : start + n], k_all[i : i + 1, :length],
+                             v_all[i : i + 1, :length], mask)
+            outputs.append(o[0])
+            start += n
+        return torch.cat(outputs).reshape(q.shape[0], -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """q [b, n, heads, d], k/v [b, L, kv_heads, d], mask [b, 1, n, L] -> [b, n, heads, d]."""
+        group = q.shape[2] // k.shape[2]
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = scores.float().masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).transpose(1, 2)

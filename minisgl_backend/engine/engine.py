@@ -1,0 +1,177 @@
+"""The engine of one tensor-parallel rank: model, KV pool, page table, token pool, sampling.
+
+It lives in its own process and applies compact step messages from the scheduler. Because the
+token pool is here, a decode step's input ids are gathered from tokens this engine sampled in the
+previous step: the scheduler never has to send them back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from minisgl_backend.attention import create_attention_backend
+from minisgl_backend.attention.torch_ref import token_slots
+from minisgl_backend.core import Batch, Context, set_global_ctx
+from minisgl_backend.distributed import get_tp_info, init_process_group
+from minisgl_backend.engine.config import EngineConfig, resolve_dtype
+from minisgl_backend.engine.sampler import SamplingTensors, sample
+from minisgl_backend.kvcache.pool import PagedKVPool
+from minisgl_backend.models import ModelConfig, create_model
+
+MAX_CPU_DEFAULT_TOKENS = 1 << 20
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n)."""
+    total = int(lengths.sum())
+    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    return offsets + np.arange(total)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, rank: int, init_file: str) -> None:
+        self.config = config
+        device_type = config.device_type
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+            self.device = torch.device("cpu")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        init_process_group(rank, config.tp_size, init_file, backend)
+        self.model_config = ModelConfig.from_folder(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
+        free_before = self._free_memory()
+        self.model = create_model(config.model_dir, self.model_config, self.device, self.dtype)
+        self.page_size = config.page_size
+        self.num_pages = self._decide_num_pages(free_before)
+        mc = self.model_config
+        self.max_seq_len = min(mc.max_position_embeddings, self.num_pages * self.page_size)
+        num_local_kv = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
+        num_local_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_heads
+        self.kv_pool = PagedKVPool(mc.num_layers, self.num_pages, self.page_size, num_local_kv,
+                                   mc.head_dim, self.dtype, self.device)
+        self._init_tables(config.max_running_requests + 1)
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, self.kv_pool, num_local_heads, mc.head_dim, self.device
+        )
+        self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend)
+        set_global_ctx(self.ctx)
+
+    def _init_tables(self, num_rows: int) -> None:
+        """Page table and token pool: one row per running request plus the dummy row (last)."""
+        dev = self.device
+        max_pages = -(-self.max_seq_len // self.page_size)
+        self.page_table = torch.full((num_rows, max_pages), self.kv_pool.dummy_page,
+                                     dtype=torch.int32, device=dev)
+        # +1 column: the token sampled after the last position still has a place to go.
+        self.token_pool = torch.zeros((num_rows, self.max_seq_len + 1), dtype=torch.int32,
+                                      device=dev)
+        self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
+        self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
+        self.temperature = torch.zeros(num_rows, dtype=torch.float32, device=dev)
+        self.top_k = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(num_rows, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+        self.row_greedy = np.ones(num_rows, dtype=bool)
+
+    def _free_memory(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def _decide_num_pages(self, free_before: int) -> int:
+        mc, cfg = self.model_config, self.config
+        tp = get_tp_info().size
+        kv_heads = max(1, mc.num_kv_heads // tp)
+        page_bytes = PagedKVPool.bytes_per_page(mc.num_layers, self.page_size, kv_heads,
+                                                mc.head_dim, self.dtype)
+        if cfg.max_total_tokens is not None:
+            return -(-cfg.max_total_tokens // self.page_size)
+        if self.device.type == "cuda":
+            model_bytes = free_before - self._free_memory()
+            budget = int(cfg.kv_memory_fraction * free_before) - model_bytes
+            pages = torch.tensor([budget // page_bytes], device=self.device)
+            if tp > 1:
+                torch.distributed.all_reduce(pages, op=torch.distributed.ReduceOp.MIN)
+            return int(pages.item())
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        tokens = min(int(cfg.cpu_kv_memory_fraction * ram) // (page_bytes // self.page_size),
+                     MAX_CPU_DEFAULT_TOKENS)
+        return max(1, tokens // self.page_size)
+
+    @torch.inference_mode()
+    def step(self, msg: dict[str, np.ndarray]) -> torch.Tensor:
+        """Apply one step message, run the forward and sampling; return the sampled ids (cpu)."""
+        rows = msg["rows"].astype(np.int64)
+        if "admit_rows" in msg:
+            self._admit(msg)
+        self._map_new_pages(rows, msg["new_page_counts"].astype(np.int64), msg["new_pages"])
+        batch = self._make_batch(rows, msg)
+        self.attn_backend.prepare(batch, self.page_table)
+        with self.ctx.forward_batch(batch):
+            logits = self.model()
+        next_tokens = sample(logits, self._sampling_tensors(rows, batch.seq_lens))
+        rows_t = batch.rows
+        self.token_pool[rows_t, torch.tensor(batch.seq_lens, device=self.device)] = \
+            next_tokens.to(torch.int32)
+        return next_tokens.to(device="cpu", dtype=torch.int32)
+
+    def _admit(self, msg: dict[str, np.ndarray]) -> None:
+        rows = msg["admit_rows"].astype(np.int64)
+        self.row_pages[rows] = 0
+        self.row_len[rows] = 0
+        idx = torch.from_numpy(rows).to(self.device)
+        temps, top_k = msg["admit_temperature"], msg["admit_top_k"]
+        self.temperature[idx] = torch.from_numpy(temps.copy()).to(self.device)
+        self.top_k[idx] = torch.from_numpy(top_k.astype(np.int64)).to(self.device)
+        self.top_p[idx] = torch.from_numpy(msg["admit_top_p"].copy()).to(self.device)
+        self.seed[idx] = torch.from_numpy(msg["admit_seed"].copy()).to(self.device)
+        self.row_greedy[rows] = (temps == 0) | (top_k == 1)
+
+    def _map_new_pages(self, rows: np.ndarray, counts: np.ndarray, pages: np.ndarray) -> None:
+        if len(pages) == 0:
+            return
+        row_of_page = np.repeat(rows, counts)
+        cols = _ranges(self.row_pages[rows], counts)
+        self.page_table[torch.from_numpy(row_of_page).to(self.device),
+                        torch.from_numpy(cols).to(self.device)] = \
+            torch.from_numpy(pages.astype(np.int32)).to(self.device)
+        np.add.at(self.row_pages, rows, counts)
+
+    def _make_batch(self, rows: np.ndarray, msg: dict[str, np.ndarray]) -> Batch:
+        dev = self.device
+        rows_t = torch.from_numpy(rows).to(dev)
+        if msg["is_prefill"][0]:
+            starts = msg["starts"].astype(np.int64)
+            lens = msg["extend_lens"].astype(np.int64)
+            positions_np = _ranges(starts, lens)
+            row_of_token = torch.from_numpy(np.repeat(rows, lens)).to(dev)
+            positions = torch.from_numpy(positions_np).to(dev)
+            input_ids = torch.from_numpy(msg["tokens"].copy()).to(dev)
+            self.token_pool[row_of_token, positions] = input_ids
+            self.row_len[rows] = starts + lens
+            phase, extend_lens = "prefill", lens.tolist()
+        else:
+            positions_np = self.row_len[rows]
+            row_of_token = rows_t
+            positions = torch.from_numpy(positions_np.copy()).to(dev)
+            input_ids = self.token_pool[rows_t, positions]
+            self.row_len[rows] += 1
+            phase, extend_lens = "decode", [1] * len(rows)
+        out_slots = token_slots(self.page_table, row_of_token, positions, self.page_size)
+        return Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
+                     out_slots=out_slots, extend_lens=extend_lens,
+                     seq_lens=self.row_len[rows].tolist())
+
+    def _sampling_tensors(self, rows: np.ndarray, seq_lens: list[int]) -> SamplingTensors:
+        idx = torch.from_numpy(rows).to(self.device)
+        return SamplingTensors(
+            temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
+            seed=self.seed[idx], position=torch.tensor(seq_lens, device=self.device),
+            all_greedy=bool(self.row_greedy[rows].all()),
+        )

@@ -1,0 +1,153 @@
+"""Batched, seeded token sampling (greedy, temperature, top-k, top-p).
+
+Randomness comes from a counter-based hash of (seed, position) rather than from a torch
+generator, so a request's samples depend only on its own seed and token positions: the same
+seed gives the same output regardless of batch composition, device, process or
+tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, already on the logits' device."""
+
+    temperature: torch.Tensor  # [bs] float32; 0 means greedy for that row
+    top_k: torch.Tensor  # [bs] int64; <= 0 or >= vocab means disabled
+    top_p: torch.Tensor  # [bs] float32 in (0, 1]
+    seed: torch.Tensor  # [bs] int64 (a 64-bit unsigned seed stored as its int64 bit pattern)
+    position: torch.Tensor  # [bs] int64: index in its sequence of the token being sampled
+    all_greedy: bool  # fast path: every row greedy -> pure argmax, no randomness
+
+
+def seed_to_int64(seed: int) -> int:
+    """Return the int64 bit pattern of a 64-bit unsigned seed (taken mod 2**64)."""
+    seed &= _UINT64_MASK
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def make_sampling_tensors(
+    temperatures: Sequence[float],
+    top_ks: Sequence[int],
+    top_ps: Sequence[float],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    device: torch.device | str,
+) -> SamplingTensors:
+    """Build a `SamplingTensors` from per-request Python values.
+
+    Seeds are 64-bit unsigned integers; they are stored as their int64 bit pattern.
+    """
+    n = len(temperatures)
+    if not (len(top_ks) == len(top_ps) == len(seeds) == len(positions) == n):
+        raise ValueError("all sampling parameter lists must have the same length")
+    all_greedy = all(t <= 0.0 or k == 1 for t, k in zip(temperatures, top_ks))
+    return SamplingTensors(
+        temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+        seed=torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
+        position=torch.tensor(positions, dtype=torch.int64, device=device),
+        all_greedy=all_greedy,
+    )
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2**32 for int64 tensors x in [0, 2**32), without int64 overflow."""
+    # A multiplier >= 2**31 is replaced by m - 2**32 (same residue mod 2**32), so that
+    # |x * m| < 2**32 * 2**31 = 2**63 always; masking a negative int64 keeps the right residue.
+    if m >= 1 << 31:
+        m -= 1 << 32
+    return (x * m) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective 32-bit integer hash (MurmurHash3 fmix32) on int64 tensors in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Return one float64 uniform number in (0, 1) per row, a pure function of (seed, position).
+
+    `seed` holds 64-bit seeds as int64 bit patterns and `position` int64 positions; both halves
+    of each are mixed in. Only exact integer ops are used, so every device gives the same bits.
+    """
+    seed = seed.to(torch.int64)
+    position = position.to(device=seed.device, dtype=torch.int64)
+    # The arithmetic shift of negative values is fine: only the masked low 32 bits are used.
+    h = _mix32((seed & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seed >> 32) & _MASK32))
+    h = _mix32(h ^ (position & _MASK32))
+    h = _mix32(h ^ ((position >> 32) & _MASK32))
+    return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+def _greedy_rows(params: SamplingTensors) -> torch.Tensor:
+    return (params.temperature <= 0) | (params.top_k == 1)
+
+
+def _sample_sorted(
+    sorted_logits: torch.Tensor, params: SamplingTensors, uniform: torch.Tensor
+) -> torch.Tensor:
+    """Pick a rank into each row of descending-sorted scaled logits; returns [bs, 1] int64."""
+    bs, vocab = sorted_logits.shape
+    device = sorted_logits.device
+    probs = torch.softmax(sorted_logits, dim=-1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+
+    # Top-k: keep the k largest logits, then renormalize.
+    top_k = params.top_k.to(device)
+    k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+    probs = torch.where(ranks < k.unsqueeze(1), probs, torch.zeros_like(probs))
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    # Top-p: keep a token iff the mass strictly before it is < top_p (the rank-0 token
+    # always has zero mass before it, so it is always kept).
+    top_p = params.top_p.to(device=device, dtype=torch.float32).unsqueeze(1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = torch.where(mass_before < top_p, probs, torch.zeros_like(probs))
+    num_kept = (probs > 0).sum(dim=-1, keepdim=True).clamp_min(1)
+
+    # Inverse CDF over the (unnormalized) kept mass with one uniform per row.
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniform.unsqueeze(1) * cdf[:, -1:].to(torch.float64)).to(torch.float32)
+    rank = torch.searchsorted(cdf, target.contiguous(), right=True)
+    # Rounding can put the target at or past the total mass: clamp into the kept set.
+    return torch.minimum(rank, num_kept - 1)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Sample one token id per row of `logits` [bs, vocab]; returns [bs] int64.
+
+    Greedy rows (temperature == 0 or top_k == 1) get exactly `torch.argmax`. Other rows sample
+    from softmax(logits / temperature) restricted to the top-k logits, then to the top-p
+    nucleus of the renormalized distribution, using `seeded_uniform(seed, position)`.
+    """
+    logits = logits.float()
+    greedy_ids = torch.argmax(logits, dim=-1)
+    if params.all_greedy:
+        return greedy_ids
+
+    greedy = _greedy_rows(params).to(logits.device)
+    temperature = params.temperature.to(device=logits.device, dtype=torch.float32)
+    temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / temperature.unsqueeze(1)
+    # Stable sort: ties are ordered by token id, so the result never depends on the kernel.
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    uniform = seeded_uniform(params.seed.to(logits.device), params.position.to(logits.device))
+    rank = _sample_sorted(sorted_logits, params, uniform)
+    sampled_ids = torch.gather(sorted_ids, 1, rank).squeeze(1)
+    return torch.where(greedy, greedy_ids, sampled_ids)

@@ -1,0 +1,50 @@
+"""Entry point of an engine process (one per tensor-parallel rank, started with spawn)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from minisgl_backend.engine import protocol
+from minisgl_backend.engine.config import EngineConfig
+
+
+def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_file: str) -> None:
+    """Serve step messages until SHUTDOWN or until the scheduler's end of the pipe closes.
+
+    Every rank answers READY once loaded (with the KV pool size); only rank 0 answers steps,
+    since all ranks sample the same tokens. A failure is reported as ERROR before exiting.
+    """
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on loopback
+    from minisgl_backend.distributed import destroy_process_group
+    from minisgl_backend.engine.engine import Engine
+
+    try:
+        engine = Engine(config, rank, init_file)
+        conn.send_bytes(protocol.encode(protocol.READY, {
+            "num_pages": np.asarray([engine.num_pages], dtype=np.int64),
+            "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
+        }))
+        while True:
+            kind, arrays = protocol.decode(conn.recv_bytes())
+            if kind == protocol.SHUTDOWN:
+                break
+            tokens = engine.step(arrays)
+            if rank == 0:
+                conn.send_bytes(protocol.encode(protocol.TOKENS, {"tokens": tokens.numpy()}))
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass  # the scheduler went away: exit quietly
+    except BaseException:
+        message = f"engine rank {rank} failed:\n{traceback.format_exc()}"
+        try:
+            conn.send_bytes(protocol.encode(protocol.ERROR, {
+                "message": np.frombuffer(message.encode(), dtype=np.uint8)}))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    finally:
+        destroy_process_group()
+        conn.close()

@@ -1,0 +1,1 @@
+"""Tensor-parallel-aware building blocks of the decoder models (torch reference implementations)."""

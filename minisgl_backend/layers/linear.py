@@ -1,0 +1,93 @@
+"""Linear layers split across tensor-parallel ranks (Megatron style).
+
+Weights are created with their per-rank (local) shape; `models/weights.py` fills them with the
+right slice of the checkpoint. Column-parallel layers need no communication; row-parallel ones
+sum the partial products with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_backend.distributed import all_reduce, get_tp_info
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ReplicatedLinear(nn.Module):
+    """The whole weight on every rank (the MoE router)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs in one GEMM (gate and up of the MLP).
+
+    Each part is split along its output dimension; the local weight is the concatenation of
+    every part's local slice.
+    """
+
+    def __init__(self, in_features: int, out_features: list[int]) -> None:
+        super().__init__()
+        tp = get_tp_info().size
+        self.local_sizes = [divide(n, tp, "MLP intermediate size") for n in out_features]
+        self.weight = _param(sum(self.local_sizes), in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k and v projections in one GEMM, split by heads, GQA-aware.
+
+    Ranks split the KV heads, and each rank keeps the query heads that attend to its KV heads.
+    When there are fewer KV heads than ranks, a KV head is replicated on several ranks.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    ) -> None:
+        super().__init__()
+        tp = get_tp_info().size
+        self.num_local_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_local_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+        else:
+            divide(tp, num_kv_heads, "tp_size over num_key_value_heads")
+            self.num_local_kv_heads = 1
+        self.q_size = self.num_local_heads * head_dim
+        self.kv_size = self.num_local_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param(out, hidden_size)
+        self.bias = _param(out) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """Split along the input dimension; the partial outputs are summed over ranks."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = _param(out_features, divide(in_features, get_tp_info().size, "in_features"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight))

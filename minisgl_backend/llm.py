@@ -1,0 +1,216 @@
+"""The offline Python API: `LLM(model).generate(prompts, sampling_params)`.
+
+It drives the same scheduler thread and engine processes as the Triton model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from minisgl_backend.core import SamplingParams
+from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationOutput:
+    """The result of one prompt."""
+
+    prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    finish_reason: str | None = None  # "stop" or "length"
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Args:
+        model: a HF model folder (config.json, *.safetensors, tokenizer files).
+        tp_size: tensor-parallel ranks, one engine process each.
+        page_size: tokens per KV page.
+        max_running_requests: requests decoded together at most.
+        chunked_prefill_size: prompt tokens computed per step at most.
+        max_total_tokens: KV pool size in tokens (default: what fits the device).
+        cache: "radix" (prefix sharing) or "naive".
+        device: "auto", "cpu" or "cuda".
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        attention_backend: "auto" or a backend name.
+        debug_checks: verify page accounting after every step (slow; for tests).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tp_size: int = 1,
+        page_size: int = 1,
+        max_running_requests: int = 256,
+        chunked_prefill_size: int = 8192,
+        max_total_tokens: int | None = None,
+        cache: str = "radix",
+        device: str = "auto",
+        dtype: str = "auto",
+        attention_backend: str = "auto",
+        debug_checks: bool = False,
+    ) -> None:
+        _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
+        model_dir = Path(model)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"model: {str(model)!r} is not a HF model folder (no config.json)")
+        from minisgl_backend.models import ModelConfig
+
+        model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
+        self.tokenizer = _load_tokenizer(model_dir)
+        engine = EngineConfig(
+            model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
+            max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
+            device=device, dtype=dtype, attention_backend=attention_backend,
+        )
+        config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
+                                 cache=cache, debug_checks=debug_checks)
+        self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer))
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (a string or a list of token ids); results in prompt order.
+
+        Raises ValueError for an invalid prompt or settings, RuntimeError if the engine fails.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"sampling_params[{i}].stop needs a tokenizer in the model folder")
+            try:
+                self.scheduler.check_request(len(ids), p)
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
+        collector = _Collector(len(token_lists))
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            self.scheduler.submit(ids, p, collector.callback_for(i))
+        return collector.wait()
+
+    def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts: text prompts need a tokenizer in the model folder")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompts[{index}] must be a string or a list of token ids")
+        return ids
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread and the engine processes."""
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class _Collector:
+    """Gathers the outputs of one `generate` call; `wait` returns them in prompt order."""
+
+    def __init__(self, count: int) -> None:
+        self.results: list[GenerationOutput | None] = [None] * count
+        self.errors: list[str] = []
+        self.remaining = count
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        if count == 0:
+            self.done.set()
+
+    def callback_for(self, index: int):  # noqa: ANN201 - a closure over the prompt index
+        def on_output(out: RequestOutput) -> None:
+            result = self.results[index]
+            if result is None:
+                result = self.results[index] = GenerationOutput(prompt_tokens=out.prompt_tokens)
+            result.text += out.text
+            result.token_ids.extend(out.token_ids)
+            result.cached_tokens = out.cached_tokens
+            if out.finished:
+                result.finish_reason = out.finish_reason
+                with self.lock:
+                    if out.error is not None:
+                        self.errors.append(f"prompts[{index}]: {out.error}")
+                    self.remaining -= 1
+                    if self.remaining == 0:
+                        self.done.set()
+
+        return on_output
+
+    def wait(self) -> list[GenerationOutput]:
+        self.done.wait()
+        if self.errors:
+            raise RuntimeError("; ".join(self.errors))
+        return [r for r in self.results if r is not None]
+
+
+def _check_settings(tp_size: int, page_size: int, max_running: int, max_total_tokens: int | None,
+                    cache: str, device: str) -> None:
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if not isinstance(max_running, int) or max_running < 1:
+        raise ValueError(f"max_running_requests must be an integer >= 1, got {max_running!r}")
+    if max_total_tokens is not None and (not isinstance(max_total_tokens, int)
+                                         or max_total_tokens < page_size):
+        raise ValueError(f"max_total_tokens must be an integer >= page_size, "
+                         f"got {max_total_tokens!r}")
+    if cache not in ("radix", "naive"):
+        raise ValueError(f"cache must be 'radix' or 'naive', got {cache!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer or None
+    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _eos_ids(model_config, tokenizer) -> frozenset[int]:  # noqa: ANN001
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: got {len(params)} for {count} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be SamplingParams objects")
+    return params

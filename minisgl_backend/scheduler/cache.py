@@ -1,0 +1,88 @@
+"""Page allocation on top of a prefix cache (the scheduler's view of the KV pool).
+
+Every page is in exactly one place: the free list, the prefix cache, or the `owned_pages` of one
+running request. `check_accounting` verifies it (the scheduler calls it after every step in debug
+mode).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from minisgl_backend.core import Req
+from minisgl_backend.kvcache import BasePrefixCache, MatchResult
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class CacheManager:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: BasePrefixCache) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_cache = prefix_cache
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that could be handed out now (free, or evictable from the prefix cache)."""
+        return len(self.free_pages) + self.prefix_cache.evictable_pages
+
+    def match(self, req: Req) -> MatchResult:
+        """Longest cached prefix of the prompt, leaving at least one token to compute; locked."""
+        match = self.prefix_cache.match(req.input_ids[: req.prompt_len - 1])
+        self.prefix_cache.lock(match.handle)
+        return match
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self.free_pages):
+            self.free_pages.extend(self.prefix_cache.evict(count - len(self.free_pages)))
+        pages = self.free_pages[-count:] if count else []
+        del self.free_pages[len(self.free_pages) - count :]
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        self.free_pages.extend(pages)
+
+    def grow(self, req: Req) -> None:
+        """Allocate the pages `req` needs to hold `device_len` tokens."""
+        pages = self.allocate(pages_for(req.device_len, self.page_size) - len(req.pages))
+        req.pages.extend(pages)
+        req.owned_pages.update(pages)
+
+    def cache_prefix(self, req: Req) -> None:
+        """Put the page-aligned part of the tokens with computed KV into the prefix cache.
+
+        Pages the cache already held for the same tokens (computed twice, by two requests at
+        once) stay owned by `req` and are freed when it ends: its page-table row still points
+        at them, so freeing them now would let another request overwrite live KV.
+        """
+        length = req.cached_len - req.cached_len % self.page_size
+        result = self.prefix_cache.insert(req.input_ids[:length],
+                                          req.pages[: length // self.page_size])
+        taken = req.pages[result.already_cached_len // self.page_size : length // self.page_size]
+        req.owned_pages.difference_update(taken)
+        self.prefix_cache.lock(result.handle)
+        self.prefix_cache.unlock(req.cache_handle)
+        req.cache_handle = result.handle
+
+    def release(self, req: Req, cache: bool) -> None:
+        """A request ended: optionally cache its prefix, then free what it still owns."""
+        if cache:
+            self.cache_prefix(req)
+        self.prefix_cache.unlock(req.cache_handle)
+        self.free(req.owned_pages)
+        req.owned_pages = set()
+        req.cache_handle = None
+
+    def check_accounting(self, running: Iterable[Req]) -> None:
+        """free + cached + owned by running requests == total, with no page in two places."""
+        self.prefix_cache.check_invariants()
+        owned = [p for req in running for p in req.owned_pages]
+        places = [*self.free_pages, *self.prefix_cache.all_pages(), *owned]
+        assert len(places) == self.num_pages, (
+            f"page accounting: free {len(self.free_pages)} + cached "
+            f"{self.prefix_cache.cached_pages} + in use {len(owned)} != total {self.num_pages}"
+        )
+        assert len(set(places)) == self.num_pages, "page accounting: a page is in two places"

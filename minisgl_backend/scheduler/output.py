@@ -1,0 +1,77 @@
+"""What a request reports back: per-step deltas of tokens and text, and its end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from minisgl_backend.core import Req
+from minisgl_backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass
+class RequestOutput:
+    """A delta: the tokens and text produced since the previous output of the same request."""
+
+    uid: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class OutputTracker:
+    """Turns sampled tokens of one request into deltas and decides when it stops."""
+
+    def __init__(self, req: Req, tokenizer: Any, eos_ids: frozenset[int],
+                 callback: OutputCallback) -> None:
+        params = req.sampling_params
+        self.req = req
+        self.callback = callback
+        self.stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_ids)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input_ids[: req.prompt_len])
+                            if tokenizer is not None else None)
+        self.matcher = StopStringMatcher(params.stop or ())
+
+    def add_token(self, token: int) -> bool:
+        """Record a sampled token, emit the delta; return True if the request is finished."""
+        req = self.req
+        req.input_ids.append(token)
+        if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
+            self._emit([token], self._flush(), "stop")
+            return True
+        text, stopped = "", False
+        if self.detokenizer is not None:
+            text, stopped = self.matcher.feed(self.detokenizer.push([token]))
+        if stopped:  # the text is cut before the stop string; nothing after it is sent
+            self._emit([token], text, "stop")
+        elif len(req.output_ids) >= req.sampling_params.max_tokens:
+            self._emit([token], text + self._flush(), "length")
+        else:
+            self._emit([token], text, None)
+        return stopped or len(req.output_ids) >= req.sampling_params.max_tokens
+
+    def _flush(self) -> str:
+        if self.detokenizer is None:
+            return ""
+        text, _ = self.matcher.feed(self.detokenizer.flush())
+        return text + self.matcher.flush()
+
+    def _emit(self, tokens: list[int], text: str, reason: str | None,
+              error: str | None = None) -> None:
+        req = self.req
+        self.callback(RequestOutput(
+            uid=req.uid, token_ids=tokens, text=text, finished=reason is not None,
+            finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,
+            error=error,
+        ))
+
+    def fail(self, reason: str, message: str) -> None:
+        """End the request without more tokens (aborted, or the engine failed)."""
+        self._emit([], "", reason, error=message)

@@ -1,0 +1,94 @@
+"""Admission and chunked prefill.
+
+Requests wait in arrival order. A request is admitted only when a table row is free and the KV
+it could ever need (whole prompt + max_tokens, minus its cached prefix) fits beside what the
+running requests have reserved, so admitted requests can always finish. Each step computes at
+most `chunk_size` prompt tokens; a request cut by the budget continues first in the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from minisgl_backend.core import Req
+from minisgl_backend.scheduler.cache import CacheManager, pages_for
+from minisgl_backend.scheduler.table import RowAllocator
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, rows: RowAllocator, chunk_size: int,
+                 max_running: int) -> None:
+        self.cache = cache
+        self.rows = rows
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # admitted, prompt partly computed
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.chunked is not None
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def schedule(self, decoding: list[Req]) -> tuple[list[Req], list[Req]]:
+        """(requests of this prefill step with `device_len` set, the newly admitted ones)."""
+        budget = self.chunk_size
+        batch: list[Req] = []
+        running = decoding
+        if self.chunked is not None:
+            running = [*decoding, self.chunked]
+            budget -= self._take_chunk(self.chunked, budget)
+            batch.append(self.chunked)
+        admitted: list[Req] = []
+        reserved = sum(self._future_pages(r) for r in running)
+        num_running = len(running)
+        while budget > 0 and self.waiting and num_running < self.max_running:
+            req = self.waiting[0]
+            need = self._admit(req, reserved)
+            if need is None:
+                break  # first come, first served: later requests wait behind this one
+            self.waiting.popleft()
+            reserved += need
+            num_running += 1
+            admitted.append(req)
+            budget -= self._take_chunk(req, budget)
+            batch.append(req)
+        self.chunked = next((r for r in batch if not r.prompt_done), None)
+        return batch, admitted
+
+    def _future_pages(self, req: Req) -> int:
+        return pages_for(req.max_device_len, self.cache.page_size) - len(req.pages)
+
+    def _admit(self, req: Req, reserved: int) -> int | None:
+        """Give `req` a row and its cached prefix if its KV fits; return its future pages."""
+        if self.rows.num_free == 0:
+            return None
+        match = self.cache.match(req)
+        need = pages_for(req.max_device_len, self.cache.page_size) - len(match.pages)
+        if need > self.cache.available_pages - reserved:
+            self.cache.prefix_cache.unlock(match.handle)
+            return None
+        req.table_idx = self.rows.allocate()
+        req.cache_handle = match.handle
+        req.cached_len = req.device_len = req.prefix_hit_len = match.cached_len
+        req.pages = list(match.pages)
+        req.pages_sent = 0
+        return need
+
+    def _take_chunk(self, req: Req, budget: int) -> int:
+        size = min(budget, req.prompt_len - req.cached_len)
+        req.device_len = req.cached_len + size
+        return size
+
+    def remove(self, req: Req) -> bool:
+        """Drop a request that has not finished its prompt (aborted); True if it was here."""
+        if self.chunked is req:
+            self.chunked = None
+            return True
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            return False
+        return True

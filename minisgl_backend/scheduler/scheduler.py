@@ -1,0 +1,275 @@
+"""The scheduler: a thread in the caller's process that drives the engine processes.
+
+Each loop iteration takes new requests and aborts, picks one batch (prefill first, with chunked
+prefill; otherwise every running request decodes one token), allocates its pages, sends the
+engine a compact step message, and turns the sampled tokens into outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_backend.core import Req, SamplingParams
+from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.engine.sampler import seed_to_int64
+from minisgl_backend.kvcache import create_prefix_cache
+from minisgl_backend.scheduler.cache import CacheManager, pages_for
+from minisgl_backend.scheduler.decode import DecodeManager
+from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
+from minisgl_backend.scheduler.output import OutputCallback, OutputTracker, RequestOutput
+from minisgl_backend.scheduler.prefill import PrefillManager
+from minisgl_backend.scheduler.table import RowAllocator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    engine: EngineConfig
+    chunked_prefill_size: int = 8192
+    cache: str = "radix"  # "radix" or "naive"
+    debug_checks: bool = False  # verify page accounting after every step
+    step_timeout: float | None = None  # seconds an engine step may take before it is declared dead
+
+
+@dataclass
+class _Submit:
+    req: Req
+    callback: OutputCallback
+
+
+@dataclass
+class _Abort:
+    uid: int
+
+
+class Scheduler:
+    """Runs requests to completion on the engine processes; thread-safe `submit` / `abort`."""
+
+    def __init__(self, config: SchedulerConfig, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        if config.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be >= 1")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.engine = EngineClient(config.engine)
+        page_size = config.engine.page_size
+        self.cache = CacheManager(self.engine.num_pages, page_size,
+                                  create_prefix_cache(config.cache, page_size))
+        self.rows = RowAllocator(config.engine.max_running_requests)
+        self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
+                                      config.engine.max_running_requests)
+        self.decode = DecodeManager()
+        self.trackers: dict[int, OutputTracker] = {}
+        self.num_steps = 0
+        self._dead: str | None = None
+        self._next_uid = 0
+        self._uid_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="minisgl-scheduler", daemon=True)
+        self._thread.start()
+
+    # ----- public, thread-safe -------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may hold."""
+        return min(self.engine.max_seq_len, self.engine.num_pages * self.config.engine.page_size)
+
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ValueError (naming the field) if the request can never run."""
+        if prompt_len < 1:
+            raise ValueError("prompt must contain at least one token")
+        limit = self.max_request_tokens
+        if prompt_len >= limit:
+            raise ValueError(f"prompt has {prompt_len} tokens; the limit is {limit - 1}")
+        if prompt_len + params.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) + prompt tokens ({prompt_len}) exceeds the "
+                f"limit of {limit} tokens per request"
+            )
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               callback: OutputCallback) -> int:
+        """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
+
+        An invalid request or a dead engine ends the request through `callback` with an error.
+        """
+        with self._uid_lock:
+            uid, self._next_uid = self._next_uid, self._next_uid + 1
+        seed = params.seed if params.seed is not None else random.getrandbits(64)
+        req = Req(uid=uid, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
+                  sampling_params=params, seed=seed)
+        try:
+            self.check_request(req.prompt_len, params)
+        except ValueError as exc:
+            callback(RequestOutput(uid, [], "", True, "error", req.prompt_len, 0, str(exc)))
+            return uid
+        self._inbox.put(_Submit(req, callback))
+        return uid
+
+    def abort(self, uid: int) -> None:
+        self._inbox.put(_Abort(uid))
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join()
+        self.engine.shutdown()
+
+    # ----- scheduler thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self.prefill.has_work or self.decode.has_work
+            if not self._drain_inbox(block=not busy):
+                break
+            if self._dead is not None or not (self.prefill.has_work or self.decode.has_work):
+                continue
+            try:
+                self._step()
+            except EngineDeadError as exc:
+                self._die(str(exc))
+            except Exception as exc:  # a bug: fail every request rather than hang them
+                logger.exception("scheduler step failed")
+                self._die(f"scheduler error: {exc!r}")
+        self._fail_all("abort", "the engine is shutting down")
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued submissions and aborts; False when asked to stop."""
+        items = []
+        if block:
+            while True:
+                try:
+                    items.append(self._inbox.get(timeout=1.0))
+                    break
+                except queue.Empty:
+                    if self._dead is None and not self.engine.alive:
+                        self._die("an engine process died while idle")
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item is None:
+                return False
+            if isinstance(item, _Abort):
+                self._abort(item.uid)
+            else:
+                self._accept(item)
+        return True
+
+    def _accept(self, item: _Submit) -> None:
+        tracker = OutputTracker(item.req, self.tokenizer, self.eos_ids, item.callback)
+        if self._dead is not None:
+            tracker.fail("error", f"the engine is not running: {self._dead}")
+            return
+        self.trackers[item.req.uid] = tracker
+        self.prefill.add(item.req)
+
+    def _abort(self, uid: int) -> None:
+        tracker = self.trackers.pop(uid, None)
+        if tracker is None:
+            return  # already finished
+        req = tracker.req
+        self.prefill.remove(req)
+        if req.table_idx >= 0:  # admitted: give back its row and pages
+            self.decode.remove(req)
+            self.cache.release(req, cache=False)
+            self.rows.free(req.table_idx)
+        tracker.fail("abort", "the request was cancelled")
+
+    def _step(self) -> None:
+        batch, admitted = self.prefill.schedule(list(self.decode.running.values()))
+        is_prefill = bool(batch)
+        if not is_prefill:
+            batch = self.decode.schedule()
+            if not batch:
+                return  # nothing fits yet (cannot happen while requests run; kept safe)
+        message = self._step_message(batch, admitted, is_prefill)
+        self.engine.send(message.to_bytes())
+        tokens = self.engine.receive_tokens(self.config.step_timeout).tolist()
+        self.num_steps += 1
+        self._process(batch, tokens)
+        if self.config.debug_checks:
+            self.cache.check_accounting(self._running())
+
+    def _running(self) -> list[Req]:
+        running = list(self.decode.running.values())
+        if self.prefill.chunked is not None:
+            running.append(self.prefill.chunked)
+        return running
+
+    def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool) -> StepMessage:
+        msg = StepMessage(is_prefill=is_prefill, rows=[r.table_idx for r in batch])
+        for req in batch:
+            self.cache.grow(req)
+            msg.new_page_counts.append(len(req.pages) - req.pages_sent)
+            msg.new_pages.extend(req.pages[req.pages_sent :])
+            req.pages_sent = len(req.pages)
+            if is_prefill:
+                msg.starts.append(req.cached_len)
+                msg.extend_lens.append(req.extend_len)
+                msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
+        for req in admitted:
+            p = req.sampling_params
+            msg.admit_rows.append(req.table_idx)
+            msg.admit_temperature.append(0.0 if p.is_greedy else p.temperature)
+            msg.admit_top_k.append(p.top_k)
+            msg.admit_top_p.append(p.top_p)
+            msg.admit_seed.append(seed_to_int64(req.seed))
+        return msg
+
+    def _process(self, batch: list[Req], tokens: list[int]) -> None:
+        for req, token in zip(batch, tokens):
+            was_prefilling = req.cached_len < req.prompt_len
+            req.cached_len = req.device_len
+            if req.cached_len < req.prompt_len:
+                continue  # a chunk of the prompt: its sampled token is meaningless
+            if was_prefilling:
+                self.cache.cache_prefix(req)
+                self.decode.add(req)
+            if self.trackers[req.uid].add_token(token):
+                self._finish(req)
+
+    def _finish(self, req: Req) -> None:
+        del self.trackers[req.uid]
+        self.decode.remove(req)
+        self.cache.release(req, cache=True)
+        self.rows.free(req.table_idx)
+        req.table_idx = -1
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine failed: %s", reason)
+        self._dead = reason
+        self._fail_all("error", f"the engine failed: {reason}")
+
+    def _fail_all(self, reason: str, message: str) -> None:
+        for tracker in list(self.trackers.values()):
+            tracker.fail(reason, message)
+        self.trackers.clear()
+        self.prefill.waiting.clear()
+        self.prefill.chunked = None
+        self.decode.running.clear()
+
+
+__all__ = ["Scheduler", "SchedulerConfig", "RequestOutput", "pages_for"]

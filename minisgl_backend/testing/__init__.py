@@ -1,0 +1,1 @@
+"""Helpers for tests: tiny, self-contained artifacts that need no downloads."""
