@@ -23,6 +23,7 @@ class CacheManager:
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self.evicted_pages = 0  # pages taken back from the prefix cache so far
 
     @property
     def available_pages(self) -> int:
@@ -37,7 +38,9 @@ class CacheManager:
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free_pages):
-            self.free_pages.extend(self.prefix_cache.evict(count - len(self.free_pages)))
+            evicted = self.prefix_cache.evict(count - len(self.free_pages))
+            self.evicted_pages += len(evicted)
+            self.free_pages.extend(evicted)
         pages = self.free_pages[-count:] if count else []
         del self.free_pages[len(self.free_pages) - count :]
         return pages

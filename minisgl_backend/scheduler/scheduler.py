@@ -68,6 +68,7 @@ class Scheduler:
         self.decode = DecodeManager()
         self.trackers: dict[int, OutputTracker] = {}
         self.num_steps = 0
+        self.peak_running = 0  # most requests admitted at once so far
         self._dead: str | None = None
         self._next_uid = 0
         self._uid_lock = threading.Lock()
@@ -205,6 +206,8 @@ class Scheduler:
             batch = self.decode.schedule()
             if not batch:
                 return  # nothing fits yet (cannot happen while requests run; kept safe)
+        rows_in_use = self.rows.num_rows - self.rows.num_free
+        self.peak_running = max(self.peak_running, rows_in_use)
         message = self._step_message(batch, admitted, is_prefill)
         self.engine.send(message.to_bytes())
         tokens = self.engine.receive_tokens(self.config.step_timeout).tolist()
