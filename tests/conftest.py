@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random models of each architecture, the default model, HF references."""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl_backend.testing.tiny_models import TINY_ARCHITECTURES, build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The embedded SmolLM2-135M-Instruct folder, built on first use."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from build_default_model import DEFAULT_MODEL_DIR, build_default_model
+
+    return build_default_model(Path(DEFAULT_MODEL_DIR))
+
+
+def mixed_prompts(count: int = 8, vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    """`count` token-id prompts of mixed lengths (5 to about 80 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [5, 80, 17, 33, 9, 61, 24, 47, 12, 70][:count] + [20] * max(0, count - 10)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@lru_cache(maxsize=None)
+def _hf_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
+              stop_at_eos: bool = False) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (one at a time, float32)."""
+    model = _hf_model(str(model_dir))
+    outputs = []
+    for prompt in prompts:
+        extra = {} if stop_at_eos else {"eos_token_id": None}
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0, **extra)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs

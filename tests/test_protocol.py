@@ -1,0 +1,186 @@
+"""The scheduler <-> engine byte codec in `minisgl_backend.engine.protocol`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minisgl_backend.core import Req, SamplingParams
+from minisgl_backend.engine import protocol
+from minisgl_backend.engine.protocol import STEP, StepMessage, decode, encode
+from minisgl_backend.engine.sampler import seed_to_int64
+from minisgl_backend.kvcache import create_prefix_cache
+from minisgl_backend.scheduler.cache import CacheManager
+from minisgl_backend.scheduler.prefill import PrefillManager
+from minisgl_backend.scheduler.scheduler import Scheduler
+from minisgl_backend.scheduler.table import RowAllocator
+
+# Dtypes as documented by StepMessage.to_bytes.
+STEP_DTYPES = {
+    "is_prefill": np.uint8,
+    "rows": np.int32,
+    "new_page_counts": np.int32,
+    "new_pages": np.int32,
+    "starts": np.int32,
+    "extend_lens": np.int32,
+    "tokens": np.int32,
+    "admit_rows": np.int32,
+    "admit_temperature": np.float32,
+    "admit_top_k": np.int32,
+    "admit_top_p": np.float32,
+    "admit_seed": np.int64,
+}
+ADMIT_FIELDS = {k for k in STEP_DTYPES if k.startswith("admit_")}
+PREFILL_FIELDS = {"starts", "extend_lens", "tokens"}
+BASE_FIELDS = {"is_prefill", "rows", "new_page_counts", "new_pages"}
+SEEDS_NEAR_2_64 = [0, 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+
+
+def _roundtrip(msg: StepMessage) -> dict[str, np.ndarray]:
+    kind, arrays = decode(msg.to_bytes())
+    assert kind == STEP
+    for name, array in arrays.items():
+        assert array.dtype == STEP_DTYPES[name], f"{name}: {array.dtype}"
+    return arrays
+
+
+def test_encode_decode_roundtrip_keeps_kind_names_order_values_and_dtypes() -> None:
+    arrays = {
+        "a": np.arange(5, dtype=np.int32) - 2,
+        "b": np.array([-(2**63), -1, 0, 2**63 - 1], dtype=np.int64),
+        "c": np.array([0.5, -1.25, np.inf], dtype=np.float32),
+        "d": np.frombuffer(b"hello", dtype=np.uint8),
+        "empty": np.zeros(0, dtype=np.int32),
+        "strided": np.arange(10, dtype=np.int64)[::3],  # not contiguous
+    }
+    kind, out = decode(encode(protocol.TOKENS, arrays))
+    assert kind == protocol.TOKENS
+    assert list(out) == list(arrays)
+    for name, array in arrays.items():
+        assert out[name].dtype == array.dtype
+        np.testing.assert_array_equal(out[name], array)
+
+
+def test_encode_with_no_arrays_is_just_the_kind() -> None:
+    assert encode(protocol.SHUTDOWN, {}) == bytes([protocol.SHUTDOWN])
+    assert decode(encode(protocol.SHUTDOWN, {})) == (protocol.SHUTDOWN, {})
+
+
+def test_prefill_step_with_admissions_roundtrips() -> None:
+    msg = StepMessage(
+        is_prefill=True,
+        rows=[3, 0, 7],
+        starts=[0, 16, 0],
+        extend_lens=[5, 9, 1],
+        tokens=list(range(100, 115)),
+        new_page_counts=[1, 1, 1],
+        new_pages=[40, 41, 2**31 - 1],
+        admit_rows=[3, 7],
+        admit_temperature=[0.0, 0.7],
+        admit_top_k=[-1, 50],
+        admit_top_p=[1.0, 0.9],
+        admit_seed=[seed_to_int64(2**64 - 1), seed_to_int64(12345)],
+    )
+    arrays = _roundtrip(msg)
+    assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
+    assert arrays["is_prefill"].tolist() == [1]
+    for name in ("rows", "starts", "extend_lens", "tokens", "new_page_counts", "new_pages",
+                 "admit_rows", "admit_top_k", "admit_seed"):
+        assert arrays[name].tolist() == getattr(msg, name), name
+    np.testing.assert_array_equal(arrays["admit_temperature"],
+                                  np.asarray(msg.admit_temperature, dtype=np.float32))
+    np.testing.assert_array_equal(arrays["admit_top_p"],
+                                  np.asarray(msg.admit_top_p, dtype=np.float32))
+    assert arrays["admit_seed"].tolist() == [-1, 12345]
+
+
+def test_decode_step_without_admissions_carries_no_prefill_or_admit_fields() -> None:
+    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], new_page_counts=[0, 1, 0],
+                      new_pages=[17])
+    arrays = _roundtrip(msg)
+    assert set(arrays) == BASE_FIELDS
+    assert arrays["is_prefill"].tolist() == [0]
+    assert arrays["rows"].tolist() == [0, 1, 2]
+    assert arrays["new_page_counts"].tolist() == [0, 1, 0]
+    assert arrays["new_pages"].tolist() == [17]
+
+
+def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> None:
+    msg = StepMessage(is_prefill=False, rows=[0], new_page_counts=[0], admit_rows=[0],
+                      admit_temperature=[1.0], admit_top_k=[1], admit_top_p=[0.5],
+                      admit_seed=[7])
+    arrays = _roundtrip(msg)
+    assert set(arrays) == BASE_FIELDS | ADMIT_FIELDS
+    assert arrays["admit_rows"].tolist() == [0] and arrays["admit_seed"].tolist() == [7]
+
+
+def test_decode_step_for_256_rows_with_a_few_new_pages_is_under_2_kib() -> None:
+    counts = [0] * 256
+    for row in (3, 100, 255):
+        counts[row] = 1
+    msg = StepMessage(is_prefill=False, rows=list(range(256)), new_page_counts=counts,
+                      new_pages=[1000, 2000, 3000])
+    data = msg.to_bytes()
+    arrays = _roundtrip(msg)
+    assert arrays["rows"].tolist() == list(range(256))
+    assert arrays["new_page_counts"].tolist() == counts
+    assert len(data) < 2048, f"a 256-row decode step encodes to {len(data)} bytes"
+
+
+@pytest.mark.parametrize("seed", SEEDS_NEAR_2_64)
+def test_uint64_seed_survives_the_step_message_as_its_int64_bit_pattern(seed: int) -> None:
+    msg = StepMessage(is_prefill=False, rows=[0], new_page_counts=[0], admit_rows=[0],
+                      admit_temperature=[1.0], admit_top_k=[-1], admit_top_p=[1.0],
+                      admit_seed=[seed_to_int64(seed)])
+    wire = _roundtrip(msg)["admit_seed"]
+    assert wire.dtype == np.int64
+    assert -(2**63) <= int(wire[0]) < 2**63
+    assert int(wire[0]) % 2**64 == seed
+    assert int(wire.view(np.uint64)[0]) == seed
+
+
+def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
+    """`Scheduler._step_message` (with a stand-in `self`) builds a message that decodes back."""
+    page_size = 4
+    cache = CacheManager(64, page_size, create_prefix_cache("radix", page_size))
+    prefill = PrefillManager(cache, RowAllocator(8), chunk_size=64, max_running=8)
+    reqs = []
+    for i, seed in enumerate(SEEDS_NEAR_2_64):
+        params = SamplingParams(max_tokens=3, temperature=0.0 if i % 2 else 0.8, top_k=-1,
+                                top_p=0.9, seed=seed)
+        prompt = [i + 1] * (i + 2)
+        req = Req(uid=i, input_ids=prompt, prompt_len=len(prompt), sampling_params=params,
+                  seed=seed)
+        reqs.append(req)
+        prefill.add(req)
+    batch, admitted = prefill.schedule([])
+    assert batch == admitted == reqs
+    fake_scheduler = SimpleNamespace(cache=cache)
+    msg = Scheduler._step_message(fake_scheduler, batch, admitted, True)  # type: ignore[arg-type]
+    arrays = _roundtrip(msg)
+
+    assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
+    assert arrays["rows"].tolist() == [r.table_idx for r in reqs]
+    assert arrays["starts"].tolist() == [0] * len(reqs)
+    assert arrays["extend_lens"].tolist() == [r.prompt_len for r in reqs]
+    assert arrays["tokens"].tolist() == [t for r in reqs for t in r.input_ids]
+    assert arrays["new_page_counts"].tolist() == [len(r.pages) for r in reqs]
+    assert arrays["new_pages"].tolist() == [p for r in reqs for p in r.pages]
+    assert all(r.pages_sent == len(r.pages) for r in reqs)
+    assert arrays["admit_rows"].tolist() == [r.table_idx for r in reqs]
+    assert [int(s) % 2**64 for s in arrays["admit_seed"]] == SEEDS_NEAR_2_64
+    assert arrays["admit_temperature"].tolist() == [0.0 if i % 2 else pytest.approx(0.8)
+                                                    for i in range(len(reqs))]
+
+    # The next (decode) step sends only the rows, and only pages not sent before.
+    for req in batch:
+        req.cached_len = req.device_len
+        req.device_len += 1
+    msg = Scheduler._step_message(fake_scheduler, batch, [], False)  # type: ignore[arg-type]
+    arrays = _roundtrip(msg)
+    assert set(arrays) == BASE_FIELDS
+    grew = [r for r in reqs if r.device_len % page_size == 1]  # crossed into a new page
+    assert arrays["new_page_counts"].tolist() == [int(r in grew) for r in reqs]
+    assert arrays["new_pages"].tolist() == [r.pages[-1] for r in grew]
