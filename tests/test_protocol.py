@@ -21,7 +21,8 @@ from minisgl_backend.scheduler.table import RowAllocator
 STEP_DTYPES = {
     "is_prefill": np.uint8,
     "rows": np.int32,
-    "new_page_counts": np.int32,
+    "page_rows": np.int32,
+    "page_counts": np.int32,
     "new_pages": np.int32,
     "starts": np.int32,
     "extend_lens": np.int32,
@@ -34,7 +35,7 @@ STEP_DTYPES = {
 }
 ADMIT_FIELDS = {k for k in STEP_DTYPES if k.startswith("admit_")}
 PREFILL_FIELDS = {"starts", "extend_lens", "tokens"}
-BASE_FIELDS = {"is_prefill", "rows", "new_page_counts", "new_pages"}
+BASE_FIELDS = {"is_prefill", "rows", "page_rows", "page_counts", "new_pages"}
 SEEDS_NEAR_2_64 = [0, 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
 
 
@@ -75,7 +76,8 @@ def test_prefill_step_with_admissions_roundtrips() -> None:
         starts=[0, 16, 0],
         extend_lens=[5, 9, 1],
         tokens=list(range(100, 115)),
-        new_page_counts=[1, 1, 1],
+        page_rows=[3, 0, 7],
+        page_counts=[1, 1, 1],
         new_pages=[40, 41, 2**31 - 1],
         admit_rows=[3, 7],
         admit_temperature=[0.0, 0.7],
@@ -86,7 +88,8 @@ def test_prefill_step_with_admissions_roundtrips() -> None:
     arrays = _roundtrip(msg)
     assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
     assert arrays["is_prefill"].tolist() == [1]
-    for name in ("rows", "starts", "extend_lens", "tokens", "new_page_counts", "new_pages",
+    for name in ("rows", "starts", "extend_lens", "tokens", "page_rows", "page_counts",
+                 "new_pages",
                  "admit_rows", "admit_top_k", "admit_seed"):
         assert arrays[name].tolist() == getattr(msg, name), name
     np.testing.assert_array_equal(arrays["admit_temperature"],
@@ -97,18 +100,19 @@ def test_prefill_step_with_admissions_roundtrips() -> None:
 
 
 def test_decode_step_without_admissions_carries_no_prefill_or_admit_fields() -> None:
-    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], new_page_counts=[0, 1, 0],
+    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], page_rows=[1], page_counts=[1],
                       new_pages=[17])
     arrays = _roundtrip(msg)
     assert set(arrays) == BASE_FIELDS
     assert arrays["is_prefill"].tolist() == [0]
     assert arrays["rows"].tolist() == [0, 1, 2]
-    assert arrays["new_page_counts"].tolist() == [0, 1, 0]
+    assert arrays["page_rows"].tolist() == [1]
+    assert arrays["page_counts"].tolist() == [1]
     assert arrays["new_pages"].tolist() == [17]
 
 
 def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> None:
-    msg = StepMessage(is_prefill=False, rows=[0], new_page_counts=[0], admit_rows=[0],
+    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
                       admit_temperature=[1.0], admit_top_k=[1], admit_top_p=[0.5],
                       admit_seed=[7])
     arrays = _roundtrip(msg)
@@ -117,21 +121,18 @@ def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> 
 
 
 def test_decode_step_for_256_rows_with_a_few_new_pages_is_under_2_kib() -> None:
-    counts = [0] * 256
-    for row in (3, 100, 255):
-        counts[row] = 1
-    msg = StepMessage(is_prefill=False, rows=list(range(256)), new_page_counts=counts,
-                      new_pages=[1000, 2000, 3000])
+    msg = StepMessage(is_prefill=False, rows=list(range(256)), page_rows=[3, 100, 255],
+                      page_counts=[1, 1, 1], new_pages=[1000, 2000, 3000])
     data = msg.to_bytes()
     arrays = _roundtrip(msg)
     assert arrays["rows"].tolist() == list(range(256))
-    assert arrays["new_page_counts"].tolist() == counts
+    assert arrays["page_rows"].tolist() == [3, 100, 255]
     assert len(data) < 2048, f"a 256-row decode step encodes to {len(data)} bytes"
 
 
 @pytest.mark.parametrize("seed", SEEDS_NEAR_2_64)
 def test_uint64_seed_survives_the_step_message_as_its_int64_bit_pattern(seed: int) -> None:
-    msg = StepMessage(is_prefill=False, rows=[0], new_page_counts=[0], admit_rows=[0],
+    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
                       admit_temperature=[1.0], admit_top_k=[-1], admit_top_p=[1.0],
                       admit_seed=[seed_to_int64(seed)])
     wire = _roundtrip(msg)["admit_seed"]
@@ -166,7 +167,8 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     assert arrays["starts"].tolist() == [0] * len(reqs)
     assert arrays["extend_lens"].tolist() == [r.prompt_len for r in reqs]
     assert arrays["tokens"].tolist() == [t for r in reqs for t in r.input_ids]
-    assert arrays["new_page_counts"].tolist() == [len(r.pages) for r in reqs]
+    assert arrays["page_rows"].tolist() == [r.table_idx for r in reqs if r.pages]
+    assert arrays["page_counts"].tolist() == [len(r.pages) for r in reqs if r.pages]
     assert arrays["new_pages"].tolist() == [p for r in reqs for p in r.pages]
     assert all(r.pages_sent == len(r.pages) for r in reqs)
     assert arrays["admit_rows"].tolist() == [r.table_idx for r in reqs]
@@ -182,5 +184,6 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     arrays = _roundtrip(msg)
     assert set(arrays) == BASE_FIELDS
     grew = [r for r in reqs if r.device_len % page_size == 1]  # crossed into a new page
-    assert arrays["new_page_counts"].tolist() == [int(r in grew) for r in reqs]
+    assert arrays["page_rows"].tolist() == [r.table_idx for r in grew]
+    assert arrays["page_counts"].tolist() == [1] * len(grew)
     assert arrays["new_pages"].tolist() == [r.pages[-1] for r in grew]

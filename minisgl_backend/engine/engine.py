@@ -110,7 +110,8 @@ class Engine:
         rows = msg["rows"].astype(np.int64)
         if "admit_rows" in msg:
             self._admit(msg)
-        self._map_new_pages(rows, msg["new_page_counts"].astype(np.int64), msg["new_pages"])
+        self._map_new_pages(msg["page_rows"].astype(np.int64), msg["page_counts"].astype(np.int64),
+                            msg["new_pages"])
         batch = self._make_batch(rows, msg)
         self.attn_backend.prepare(batch, self.page_table)
         with self.ctx.forward_batch(batch):

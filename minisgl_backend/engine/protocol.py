@@ -61,8 +61,10 @@ class StepMessage:
     starts: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prefill: the prompt tokens computed
-    new_page_counts: list[int] = field(default_factory=list)  # pages appended to each row
-    new_pages: list[int] = field(default_factory=list)  # flat, in batch order
+    # Pages appended to rows, only for rows that get any: row, count, and the flat page ids.
+    page_rows: list[int] = field(default_factory=list)
+    page_counts: list[int] = field(default_factory=list)
+    new_pages: list[int] = field(default_factory=list)
     # Admissions (a row starts a new request): per admitted row, its sampling settings.
     admit_rows: list[int] = field(default_factory=list)
     admit_temperature: list[float] = field(default_factory=list)
@@ -74,7 +76,8 @@ class StepMessage:
         arrays = {
             "is_prefill": np.asarray([self.is_prefill], dtype=np.uint8),
             "rows": _i32(self.rows),
-            "new_page_counts": _i32(self.new_page_counts),
+            "page_rows": _i32(self.page_rows),
+            "page_counts": _i32(self.page_counts),
             "new_pages": _i32(self.new_pages),
         }
         if self.is_prefill:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from minisgl_backend.core import Req
-from minisgl_backend.kvcache import BasePrefixCache, MatchResult
+from minisgl_backend.kvcache import BasePrefixCache, CacheHandle, MatchResult
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -55,25 +55,35 @@ class CacheManager:
         req.owned_pages.update(pages)
 
     def cache_prefix(self, req: Req) -> None:
-        """Put the page-aligned part of the tokens with computed KV into the prefix cache.
+        """Share the page-aligned computed prefix of a running request through the prefix cache.
 
-        Pages the cache already held for the same tokens (computed twice, by two requests at
-        once) stay owned by `req` and are freed when it ends: its page-table row still points
-        at them, so freeing them now would let another request overwrite live KV.
+        Skipped when another request cached part of the same tokens meanwhile: this request's
+        row points at its own copies, which it must keep until it ends (freeing them would let
+        another request overwrite live KV), and locking the cache's copies as well would take
+        pages that admitted requests were promised. `release` caches the prefix instead.
         """
         length = req.cached_len - req.cached_len % self.page_size
+        if length <= req.cache_handle.cached_len:
+            return
+        if self.prefix_cache.match(req.input_ids[:length]).cached_len > req.cache_handle.cached_len:
+            return
+        handle = self._insert(req, length)
+        self.prefix_cache.lock(handle)
+        self.prefix_cache.unlock(req.cache_handle)
+        req.cache_handle = handle
+
+    def _insert(self, req: Req, length: int) -> CacheHandle:
+        """Insert the first `length` tokens; the pages the cache takes leave `owned_pages`."""
         result = self.prefix_cache.insert(req.input_ids[:length],
                                           req.pages[: length // self.page_size])
         taken = req.pages[result.already_cached_len // self.page_size : length // self.page_size]
         req.owned_pages.difference_update(taken)
-        self.prefix_cache.lock(result.handle)
-        self.prefix_cache.unlock(req.cache_handle)
-        req.cache_handle = result.handle
+        return result.handle
 
     def release(self, req: Req, cache: bool) -> None:
-        """A request ended: optionally cache its prefix, then free what it still owns."""
+        """A request ended: optionally cache its computed prefix, then free what it still owns."""
         if cache:
-            self.cache_prefix(req)
+            self._insert(req, req.cached_len - req.cached_len % self.page_size)
         self.prefix_cache.unlock(req.cache_handle)
         self.free(req.owned_pages)
         req.owned_pages = set()

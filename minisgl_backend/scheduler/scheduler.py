@@ -226,9 +226,11 @@ class Scheduler:
         msg = StepMessage(is_prefill=is_prefill, rows=[r.table_idx for r in batch])
         for req in batch:
             self.cache.grow(req)
-            msg.new_page_counts.append(len(req.pages) - req.pages_sent)
-            msg.new_pages.extend(req.pages[req.pages_sent :])
-            req.pages_sent = len(req.pages)
+            if len(req.pages) > req.pages_sent:
+                msg.page_rows.append(req.table_idx)
+                msg.page_counts.append(len(req.pages) - req.pages_sent)
+                msg.new_pages.extend(req.pages[req.pages_sent :])
+                req.pages_sent = len(req.pages)
             if is_prefill:
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
