@@ -1,0 +1,126 @@
+"""The decoder shared by Llama, Qwen2, Qwen3 and Qwen3-MoE; they differ only in a few flags.
+
+Parameter names follow the HF checkpoints, with q/k/v merged into `qkv_proj` and gate/up into
+`gate_up_proj` (see `models/weights.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_backend.core import get_global_ctx
+from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_backend.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minisgl_backend.layers.moe import MoEMLP
+from minisgl_backend.layers.norm import RMSNorm
+from minisgl_backend.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from minisgl_backend.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        q = q.view(q.shape[0], -1, self.head_dim)
+        k = k.view(k.shape[0], -1, self.head_dim)
+        v = v.view(v.shape[0], -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ctx = get_global_ctx()
+        o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        return self.o_proj(o)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size]
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoEMLP(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                config.num_experts_per_tok, config.norm_topk_prob,
+            )
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward()` reads the batch from the context and returns logits of each request's last
+    token, [batch, vocab] in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        # Plain attribute, not a buffer: it is computed, never loaded (see `move_rope_to`).
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope)
+
+    def move_rope_to(self, device: torch.device) -> None:
+        self.inv_freq = self.inv_freq.to(device)
+
+    def forward(self) -> torch.Tensor:
+        batch = get_global_ctx().batch
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, cos, sin)
+        if batch.is_prefill:  # only the last token of each request is sampled
+            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            x, residual = x[last], residual[last]
+        x, _ = self.model.norm.forward_with_residual(x, residual)
+        return self.lm_head(x).float()
