@@ -34,7 +34,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -83,12 +83,80 @@ CONTEXT_COUNTS = (0, 11, 2, 7, 0, 5, 9, 1, 12, 3, 6, 0, 10, 4, 8, 12)
 
 @dataclass
 class Timing:
-    """The best wall time of a system over `--repeat` calls, and its generated tokens."""
+    """The best wall time of a system over `--repeat` calls, and its generated tokens.
+
+    `own_cores` / `other_cores`: average cores busy during the best call in this process tree
+    (this process and its children, e.g. the engine) and in all other processes (contention).
+    """
 
     name: str
     seconds: float
     outputs: list[list[int]]
+    all_seconds: list[float] = field(default_factory=list)
+    own_cores: float | None = None
+    other_cores: float | None = None
     note: str = ""
+
+
+@dataclass
+class CpuSample:
+    """Busy CPU time (s) of the whole machine and of this process tree, at one instant."""
+
+    wall: float
+    system_busy: float | None
+    tree_busy: float | None
+
+    @classmethod
+    def now(cls) -> CpuSample:
+        return cls(time.perf_counter(), _system_busy_seconds(), _tree_busy_seconds(os.getpid()))
+
+
+def _system_busy_seconds() -> float | None:
+    """Non-idle CPU seconds of all cores since boot (Linux /proc/stat), or None."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat(pid: str) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process, or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # fields after "pid (comm)"
+    return int(rest[1]), (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_busy_seconds(root: int) -> float | None:
+    """CPU seconds used so far by `root` and its live descendants (Linux /proc), or None."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return None
+    stats = {int(pid): st for pid in pids if (st := _proc_stat(pid)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats[pid][1] if pid in stats else 0.0
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def cores_used(before: CpuSample, after: CpuSample) -> tuple[float | None, float | None]:
+    """Average busy cores of this process tree and of everything else between two samples."""
+    wall = after.wall - before.wall
+    if None in (before.system_busy, before.tree_busy, after.system_busy, after.tree_busy):
+        return None, None
+    own = (after.tree_busy - before.tree_busy) / wall  # type: ignore[operator]
+    system = (after.system_busy - before.system_busy) / wall  # type: ignore[operator]
+    return own, max(0.0, system - own)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,16 +200,23 @@ def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     return prompts
 
 
-def best_of(repeat: int, fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
-    """Run `fn` `repeat` times; the best wall time and the outputs of the first call."""
-    best, first = float("inf"), None
+def best_of(name: str, repeat: int, fn: Callable[[], list[list[int]]]) -> Timing:
+    """Run `fn` `repeat` times: the best wall time, its CPU usage, the first call's outputs."""
+    best: Timing | None = None
+    all_seconds: list[float] = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        before = CpuSample.now()
         outputs = fn()
-        best = min(best, time.perf_counter() - start)
-        first = outputs if first is None else first
-    assert first is not None
-    return best, first
+        after = CpuSample.now()
+        seconds = after.wall - before.wall
+        all_seconds.append(seconds)
+        if best is None or seconds < best.seconds:
+            own, other = cores_used(before, after)
+            first = best.outputs if best is not None else outputs
+            best = Timing(name, seconds, first, own_cores=own, other_cores=other)
+    assert best is not None
+    best.all_seconds = all_seconds
+    return best
 
 
 def check_lengths(name: str, outputs: list[list[int]], max_tokens: int) -> None:
@@ -181,9 +256,9 @@ def bench_minisgl(model: Path, prompts: list[list[int]],
             cached.append(sum(o.cached_tokens for o in outs))
             return [list(o.token_ids) for o in outs]
 
-        seconds, outputs = best_of(args.repeat, run)
-    note = f"prefix-cache hit tokens per call: {cached}"
-    return Timing("minisgl", seconds, outputs, note), startup
+        timing = best_of("minisgl", args.repeat, run)
+    timing.note = f"prefix-cache hit tokens per call: {cached}"
+    return timing, startup
 
 
 # ----- HF transformers ---------------------------------------------------------------------------
@@ -228,12 +303,11 @@ def bench_hf(model: Path, prompts: list[list[int]], args: argparse.Namespace,
     hf = load_hf(model, pad_id)
     hf_generate(hf, [prompts[0][:8]], 4, pad_id)  # warm-up
     n, repeat = args.max_tokens, args.repeat
-    seconds, outputs = best_of(repeat, lambda: hf_generate(hf, prompts, n, pad_id))
-    timings = [Timing("HF batched (left pad)", seconds, outputs)]
+    timings = [best_of("HF batched (left pad)", repeat,
+                       lambda: hf_generate(hf, prompts, n, pad_id))]
     if not args.skip_hf_sequential:
-        seconds, outputs = best_of(
-            repeat, lambda: [hf_generate(hf, [p], n, pad_id)[0] for p in prompts])
-        timings.append(Timing("HF sequential (bs=1)", seconds, outputs))
+        timings.append(best_of("HF sequential (bs=1)", repeat,
+                               lambda: [hf_generate(hf, [p], n, pad_id)[0] for p in prompts]))
     return timings
 
 
@@ -268,6 +342,17 @@ def print_table(timings: list[Timing], total_tokens: int) -> None:
         print(" | ".join(cell.ljust(w) for cell, w in zip(r, widths)))
         if k == 0:
             print("-+-".join("-" * w for w in widths))
+
+
+def print_cpu(timings: list[Timing]) -> None:
+    """Per system: every timed call, and the cores busy during the best one (contention)."""
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    for t in timings:
+        calls = ", ".join(f"{s:.3f}" for s in t.all_seconds)
+        print(f"{t.name}: calls [{calls}] s; during the best call: {fmt(t.own_cores)} cores busy "
+              f"in this process tree, {fmt(t.other_cores)} in other processes")
 
 
 def print_matches(mini: Timing, hf: list[Timing]) -> None:
@@ -321,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"minisgl LLM start-up (excluded from throughput): {startup:.2f} s; settings "
           f"{minisgl_kwargs(args)}; {mini.note}")
     print_matches(mini, hf)
+    print_cpu([mini, *hf])
     print()
     print_table([mini, *hf], total)
 

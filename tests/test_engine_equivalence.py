@@ -35,6 +35,20 @@ def test_greedy_equals_hf(tiny_models: dict[str, Path], arch: str) -> None:
     assert_matches_hf(tiny_models[arch], prompts, run_engine(tiny_models[arch], prompts))
 
 
+def test_llama3_rope_scaling_and_sharded_checkpoint_equal_hf(tmp_path: Path) -> None:
+    """Llama 3.1-style frequency scaling, weights split over several safetensors files."""
+    from minisgl_backend.testing.tiny_models import build_tiny_model
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    model = build_tiny_model("llama", tmp_path / "llama3", seed=3, max_shard_size="100KB",
+                             rope_scaling=rope, rope_parameters=rope, tie_word_embeddings=True)
+    assert len(list(model.glob("*.safetensors"))) > 1
+    prompts = mixed_prompts(8)
+    assert_matches_hf(model, prompts, run_engine(model, prompts))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_paged_kv_equals_hf(tiny_models: dict[str, Path], arch: str, page_size: int) -> None:

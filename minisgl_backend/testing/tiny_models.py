@@ -47,8 +47,12 @@ def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transform
 
 
 def build_tiny_model(arch: str, output_dir: str | Path, seed: int = 0,
-                     **overrides: Any) -> Path:
-    """Save a random-weight float32 model of `arch` (see TINY_ARCHITECTURES) with a tokenizer."""
+                     max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Save a random-weight float32 model of `arch` (see TINY_ARCHITECTURES) with a tokenizer.
+
+    `overrides` replace config fields; `max_shard_size` (e.g. "100KB") splits the checkpoint
+    into several safetensors files.
+    """
     from transformers import AutoModelForCausalLM
 
     out = Path(output_dir)
@@ -56,6 +60,6 @@ def build_tiny_model(arch: str, output_dir: str | Path, seed: int = 0,
     config = _config(arch, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_tiny_tokenizer(out, vocab_size=config.vocab_size)
     return out

@@ -1,0 +1,37 @@
+"""The engine processes on their own: steps can be queued before earlier tokens are read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.scheduler.engine_client import EngineClient
+from tests.conftest import hf_greedy
+
+PROMPT = [5, 17, 42, 99, 7, 250, 13]
+STEPS = 6
+
+
+def _prefill() -> StepMessage:
+    return StepMessage(is_prefill=True, rows=[0], starts=[0], extend_lens=[len(PROMPT)],
+                       tokens=PROMPT, page_rows=[0], page_counts=[len(PROMPT) + STEPS],
+                       new_pages=list(range(len(PROMPT) + STEPS)), admit_rows=[0],
+                       admit_temperature=[0.0], admit_top_k=[-1], admit_top_p=[1.0],
+                       admit_seed=[0])
+
+
+def test_decode_steps_sent_before_reading_tokens_equal_hf(tiny_models: dict[str, Path]) -> None:
+    """Decode inputs come from the engine's token pool, so the scheduler can send step N+1
+    before it has read step N's token (what overlap scheduling needs)."""
+    model = tiny_models["qwen3"]
+    client = EngineClient(EngineConfig(model_dir=str(model), device="cpu",
+                                       max_running_requests=4, max_total_tokens=64))
+    try:
+        client.send(_prefill().to_bytes())
+        for _ in range(STEPS - 1):  # every decode step queued before any token is read
+            client.send(StepMessage(is_prefill=False, rows=[0]).to_bytes())
+        tokens = [int(client.receive_tokens(timeout=60)[0]) for _ in range(STEPS)]
+    finally:
+        client.shutdown()
+    assert tokens == hf_greedy(model, [PROMPT], STEPS)[0]
