@@ -37,7 +37,8 @@ class SamplingParams:
     `temperature == 0` (or `top_k == 1`) means greedy decoding. `seed` makes sampling
     reproducible: the same seed and prompt give the same output whatever else is batched with it.
     `stop` strings end the request when its decoded text contains one (the text is cut before it);
-    `stop_token_ids` end it when such a token is sampled, like EOS.
+    `stop_token_ids` end it when such a token is sampled, like EOS; neither is sampled before
+    `min_tokens` tokens have been generated.
     """
 
     max_tokens: int = 16
@@ -48,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
+    min_tokens: int = 0  # EOS and stop token ids cannot end the request before this many tokens
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -62,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], "
+                             f"got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))

@@ -161,3 +161,16 @@ def test_shutdown_leaves_no_process_or_files(tiny_models: dict[str, Path]) -> No
     assert not any(_alive(pid) for pid in pids)
     assert not private_dir.exists()
     assert not llm.scheduler.alive
+
+
+def test_min_tokens_holds_back_stop_ids(llm: LLM) -> None:
+    prompt = mixed_prompts(1, seed=5)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop_id = free.token_ids[1]
+    early = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                  stop_token_ids=[stop_id]))[0]
+    held = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                 stop_token_ids=[stop_id], min_tokens=6))[0]
+    assert len(early.token_ids) <= 2 and early.finish_reason == "stop"
+    assert len(held.token_ids) > 6
+    assert stop_id not in held.token_ids[:6]

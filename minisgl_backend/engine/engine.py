@@ -78,6 +78,9 @@ class Engine:
         self.top_p = torch.ones(num_rows, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(num_rows, dtype=torch.int64, device=dev)
         self.row_greedy = np.ones(num_rows, dtype=bool)
+        # min_tokens: stop ids of a row are masked while it samples positions below row_min_len.
+        self.row_min_len = np.zeros(num_rows, dtype=np.int64)
+        self.row_stop_ids: dict[int, torch.Tensor] = {}
 
     def _free_memory(self) -> int:
         if self.device.type != "cuda":
@@ -110,12 +113,15 @@ class Engine:
         rows = msg["rows"].astype(np.int64)
         if "admit_rows" in msg:
             self._admit(msg)
+        if "min_rows" in msg:
+            self._set_min_lens(msg)
         self._map_new_pages(msg["page_rows"].astype(np.int64), msg["page_counts"].astype(np.int64),
                             msg["new_pages"])
         batch = self._make_batch(rows, msg)
         self.attn_backend.prepare(batch, self.page_table)
         with self.ctx.forward_batch(batch):
             logits = self.model()
+        self._mask_early_stops(logits, rows, batch.seq_lens)
         next_tokens = sample(logits, self._sampling_tensors(rows, batch.seq_lens))
         rows_t = batch.rows
         self.token_pool[rows_t, torch.tensor(batch.seq_lens, device=self.device)] = \
@@ -133,6 +139,21 @@ class Engine:
         self.top_p[idx] = torch.from_numpy(msg["admit_top_p"].copy()).to(self.device)
         self.seed[idx] = torch.from_numpy(msg["admit_seed"].copy()).to(self.device)
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
+        self.row_min_len[rows] = 0
+
+    def _set_min_lens(self, msg: dict[str, np.ndarray]) -> None:
+        counts = msg["min_stop_counts"].astype(np.int64)
+        ids = np.split(msg["min_stop_ids"].astype(np.int64), np.cumsum(counts)[:-1])
+        for row, min_len, stop_ids in zip(msg["min_rows"].tolist(), msg["min_lens"].tolist(), ids):
+            self.row_min_len[row] = min_len
+            self.row_stop_ids[row] = torch.from_numpy(stop_ids).to(self.device)
+
+    def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
+                          seq_lens: list[int]) -> None:
+        """Rows still below their min_tokens cannot sample a stop id (rare: a Python loop)."""
+        early = np.nonzero(self.row_min_len[rows] > np.asarray(seq_lens))[0]
+        for i in early.tolist():
+            logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 
     def _map_new_pages(self, rows: np.ndarray, counts: np.ndarray, pages: np.ndarray) -> None:
         if len(pages) == 0:

@@ -71,6 +71,11 @@ class StepMessage:
     admit_top_k: list[int] = field(default_factory=list)
     admit_top_p: list[float] = field(default_factory=list)
     admit_seed: list[int] = field(default_factory=list)  # int64 bit pattern of a uint64 seed
+    # Requests with min_tokens: row, position before which stop ids are masked, and the ids.
+    min_rows: list[int] = field(default_factory=list)
+    min_lens: list[int] = field(default_factory=list)
+    min_stop_counts: list[int] = field(default_factory=list)
+    min_stop_ids: list[int] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         arrays = {
@@ -91,4 +96,8 @@ class StepMessage:
                 admit_top_p=np.asarray(self.admit_top_p, dtype=np.float32),
                 admit_seed=np.asarray(self.admit_seed, dtype=np.int64),
             )
+        if self.min_rows:
+            arrays.update(min_rows=_i32(self.min_rows), min_lens=_i32(self.min_lens),
+                          min_stop_counts=_i32(self.min_stop_counts),
+                          min_stop_ids=_i32(self.min_stop_ids))
         return encode(STEP, arrays)

@@ -242,6 +242,12 @@ class Scheduler:
             msg.admit_top_k.append(p.top_k)
             msg.admit_top_p.append(p.top_p)
             msg.admit_seed.append(seed_to_int64(req.seed))
+            if p.min_tokens > 0:
+                stop_ids = sorted(self.trackers[req.uid].stop_ids)
+                msg.min_rows.append(req.table_idx)
+                msg.min_lens.append(req.prompt_len + p.min_tokens)
+                msg.min_stop_counts.append(len(stop_ids))
+                msg.min_stop_ids.extend(stop_ids)
         return msg
 
     def _process(self, batch: list[Req], tokens: list[int]) -> None:

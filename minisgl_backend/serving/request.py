@@ -1,0 +1,141 @@
+"""Turn a Triton request's tensors into engine inputs, with errors that name the field.
+
+Tensors follow the TensorRT-LLM ensemble convention (request shape [1, 1] with the batch
+dimension, or [1] without); every scalar input is optional except `max_tokens` where noted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from minisgl_backend.core import SamplingParams
+
+GetInput = Callable[[str], "np.ndarray | None"]
+
+
+class RequestError(ValueError):
+    """A bad request; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+    return_num_input_tokens: bool
+    return_num_output_tokens: bool
+    return_finish_reason: bool
+    return_cached_tokens: bool
+
+
+_KIND_CHECK = {
+    "int": lambda a: a.dtype.kind in "iu",
+    "float": lambda a: a.dtype.kind in "fiu",
+    "bool": lambda a: a.dtype.kind == "b",
+}
+
+
+def scalar(get: GetInput, name: str, kind: str, default: Any = None) -> Any:
+    """The single value of an optional scalar input, type-checked."""
+    array = get(name)
+    if array is None:
+        return default
+    if array.size != 1:
+        raise RequestError(f"{name} must hold exactly one value, got shape {list(array.shape)}")
+    if not _KIND_CHECK[kind](array):
+        raise RequestError(f"{name} must be {kind}, got dtype {array.dtype}")
+    value = array.reshape(-1)[0].item()
+    if kind == "float" and not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def decode_text(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name} is not valid UTF-8: {exc}") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"{name} must be a string")
+
+
+def text_list(get: GetInput, name: str) -> list[str]:
+    """All strings of an optional STRING input (any shape), empty strings dropped."""
+    array = get(name)
+    if array is None:
+        return []
+    if array.dtype.kind not in "OSU":
+        raise RequestError(f"{name} must be STRING, got dtype {array.dtype}")
+    return [s for s in (decode_text(v, name) for v in array.reshape(-1)) if s]
+
+
+def chat_messages(text: str) -> list[dict[str, str]]:
+    """`text` as chat messages: a JSON list of {role, content}, or else one user message."""
+    stripped = text.lstrip()
+    if not stripped.startswith("["):
+        return [{"role": "user", "content": text}]
+    try:
+        messages = json.loads(stripped)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"text_input is not a valid JSON list of chat messages: {exc}") from None
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise RequestError("text_input must be a JSON list of {\"role\", \"content\"} messages")
+    return messages
+
+
+def parse_engine_request(get: GetInput, max_tokens_limit: int) -> EngineRequest:
+    """Read the inputs of the `minisgl` model (token ids from preprocessing + settings)."""
+    ids = get("input_ids")
+    if ids is None or ids.size == 0:
+        raise RequestError("input_ids is empty (text_input must not be empty)")
+    if ids.dtype.kind not in "iu":
+        raise RequestError(f"input_ids must be integers, got dtype {ids.dtype}")
+    max_tokens = scalar(get, "max_tokens", "int")
+    if max_tokens is None:
+        raise RequestError("max_tokens is required")
+    if max_tokens < 1 or max_tokens > max_tokens_limit:
+        raise RequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    end_id = scalar(get, "end_id", "int")
+    stop_ids = [end_id] if end_id is not None and end_id >= 0 else None
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(scalar(get, "temperature", "float", 0.0)),
+            top_k=_top_k(scalar(get, "top_k", "int", 0)),
+            top_p=float(scalar(get, "top_p", "float", 1.0)),
+            seed=scalar(get, "seed", "int"),
+            ignore_eos=bool(scalar(get, "ignore_eos", "bool", False)),
+            stop=text_list(get, "stop_words") or None,
+            stop_token_ids=stop_ids,
+            min_tokens=scalar(get, "min_length", "int", 0),
+        )
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    return EngineRequest(
+        prompt_ids=[int(t) for t in ids.reshape(-1)],
+        params=params,
+        stream=bool(scalar(get, "stream", "bool", False)),
+        exclude_input=bool(scalar(get, "exclude_input_in_output", "bool", False)),
+        return_num_input_tokens=bool(scalar(get, "return_num_input_tokens", "bool", False)),
+        return_num_output_tokens=bool(scalar(get, "return_num_output_tokens", "bool", False)),
+        return_finish_reason=bool(scalar(get, "return_finish_reason", "bool", False)),
+        return_cached_tokens=bool(scalar(get, "return_cached_tokens", "bool", False)),
+    )
+
+
+def _top_k(value: int) -> int:
+    """TensorRT-LLM's convention: top_k 0 means disabled."""
+    if value < 0:
+        raise RequestError(f"top_k must be >= 0 (0 disables it), got {value}")
+    return -1 if value == 0 else value
