@@ -13,6 +13,7 @@ from typing import Sequence
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from minisgl_backend.tokenizer import encode_prompt
 
 Prompt = str | Sequence[int]
 
@@ -42,6 +43,7 @@ class LLM:
         device: "auto", "cpu" or "cuda".
         dtype: "auto", "float32", "bfloat16" or "float16".
         attention_backend: "auto" or a backend name.
+        kv_memory_fraction: GPU: share of free memory the weights and KV pool may take.
         debug_checks: verify page accounting after every step (slow; for tests).
     """
 
@@ -58,6 +60,7 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         attention_backend: str = "auto",
+        kv_memory_fraction: float = 0.85,
         debug_checks: bool = False,
     ) -> None:
         _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
@@ -72,6 +75,7 @@ class LLM:
             model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
             max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
             device=device, dtype=dtype, attention_backend=attention_backend,
+            kv_memory_fraction=kv_memory_fraction,
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks)
@@ -105,7 +109,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompts: text prompts need a tokenizer in the model folder")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return encode_prompt(self.tokenizer, prompt)
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"prompts[{index}] must be a string or a list of token ids")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.tokenizer import encode_prompt
 from tests.conftest import mixed_prompts
 
 
@@ -70,7 +71,7 @@ def test_stop_string_cuts_the_text(llm: LLM) -> None:
 def test_text_prompts_and_single_prompt(llm: LLM) -> None:
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     by_text = llm.generate("hello world", params)
-    ids = llm.tokenizer.encode("hello world", add_special_tokens=False)
+    ids = encode_prompt(llm.tokenizer, "hello world")
     by_ids = llm.generate(ids, params)
     assert len(by_text) == len(by_ids) == 1
     assert by_text[0].token_ids == by_ids[0].token_ids

@@ -38,6 +38,18 @@ class SchedulerConfig:
     step_timeout: float | None = None  # seconds an engine step may take before it is declared dead
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics, refreshed by the scheduler thread after every iteration."""
+
+    kv_pages_total: int
+    kv_pages_in_use: int  # held by admitted requests (their own or locked cached prefixes)
+    kv_pages_cached: int  # unlocked prefix-cache pages (reusable, evictable)
+    running: int
+    waiting: int
+    steps: int
+
+
 @dataclass
 class _Submit:
     req: Req
@@ -73,6 +85,7 @@ class Scheduler:
         self._next_uid = 0
         self._uid_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="minisgl-scheduler", daemon=True)
         self._thread.start()
 
@@ -143,15 +156,15 @@ class Scheduler:
             busy = self.prefill.has_work or self.decode.has_work
             if not self._drain_inbox(block=not busy):
                 break
-            if self._dead is not None or not (self.prefill.has_work or self.decode.has_work):
-                continue
-            try:
-                self._step()
-            except EngineDeadError as exc:
-                self._die(str(exc))
-            except Exception as exc:  # a bug: fail every request rather than hang them
-                logger.exception("scheduler step failed")
-                self._die(f"scheduler error: {exc!r}")
+            if self._dead is None and (self.prefill.has_work or self.decode.has_work):
+                try:
+                    self._step()
+                except EngineDeadError as exc:
+                    self._die(str(exc))
+                except Exception as exc:  # a bug: fail every request rather than hang them
+                    logger.exception("scheduler step failed")
+                    self._die(f"scheduler error: {exc!r}")
+            self.stats = self._snapshot()
         self._fail_all("abort", "the engine is shutting down")
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -215,6 +228,16 @@ class Scheduler:
         self._process(batch, tokens)
         if self.config.debug_checks:
             self.cache.check_accounting(self._running())
+
+    def _snapshot(self) -> SchedulerStats:
+        cache = self.cache
+        free, cached = len(cache.free_pages), cache.prefix_cache.evictable_pages
+        waiting = len(self.prefill.waiting)
+        return SchedulerStats(
+            kv_pages_total=cache.num_pages, kv_pages_in_use=cache.num_pages - free - cached,
+            kv_pages_cached=cached, running=self.rows.num_rows - self.rows.num_free,
+            waiting=waiting, steps=self.num_steps,
+        )
 
     def _running(self) -> list[Req]:
         running = list(self.decode.running.values())
@@ -283,4 +306,4 @@ class Scheduler:
         self.decode.running.clear()
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "RequestOutput", "pages_for"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "RequestOutput", "pages_for"]

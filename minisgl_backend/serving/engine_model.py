@@ -1,0 +1,190 @@
+"""Triton `minisgl` model: the decoupled engine model.
+
+`execute` validates each request, hands it to the scheduler thread and returns at once. The
+scheduler's outputs go through a queue to one response thread, which owns every `send`: text
+deltas while streaming, one whole response otherwise, exactly one FINAL per request. The same
+thread polls for cancelled requests and aborts them in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from minisgl_backend.llm import LLM
+from minisgl_backend.scheduler import RequestOutput
+from minisgl_backend.serving.metrics import EngineMetrics
+from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
+from minisgl_backend.serving.settings import (
+    engine_settings,
+    load_model_config,
+    model_parameters,
+    resolve_model_dir,
+)
+
+logger = logging.getLogger(__name__)
+CANCEL_POLL_SECONDS = 0.02
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """One Triton request in flight, owned by the response thread once submitted."""
+
+    request: Any
+    sender: Any
+    parsed: EngineRequest
+    arrived: float
+    uid: int = -1
+    cancelled: bool = False
+    done: bool = False  # the final response was sent
+    first_output: bool = True
+    text: list[str] = field(default_factory=list)  # non-streaming: accumulated text
+    token_ids: list[int] = field(default_factory=list)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = load_model_config(args)
+        parameters = model_parameters(config)
+        model_dir = resolve_model_dir(parameters, args["model_repository"])
+        self.llm = LLM(model_dir, **engine_settings(parameters))
+        self.scheduler = self.llm.scheduler
+        self.metrics = EngineMetrics(config["name"])
+        self.outputs: queue.SimpleQueue[tuple[ActiveRequest, RequestOutput] | None] = \
+            queue.SimpleQueue()
+        self.active: dict[int, ActiveRequest] = {}  # uid -> request, response thread only
+        self.submitted: queue.SimpleQueue[ActiveRequest] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._respond_loop, name="minisgl-responses",
+                                       daemon=True)
+        self.thread.start()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request: Any) -> None:
+        sender = request.get_response_sender()
+
+        def get(name: str) -> np.ndarray | None:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            parsed = parse_engine_request(get, self.scheduler.max_request_tokens)
+            self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
+        except (RequestError, ValueError) as exc:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                        flags=FINAL)
+            return
+        state = ActiveRequest(request, sender, parsed, time.monotonic())
+        state.uid = self.scheduler.submit(parsed.prompt_ids, parsed.params,
+                                          lambda out: self.outputs.put((state, out)))
+        self.submitted.put(state)
+
+    # ----- response thread ------------------------------------------------------------------
+
+    def _respond_loop(self) -> None:
+        last_poll = 0.0
+        while True:
+            try:
+                item = self.outputs.get(timeout=CANCEL_POLL_SECONDS)
+            except queue.Empty:
+                item = False
+            if item is None:
+                break
+            self._take_submitted()
+            if item:
+                self._respond(*item)
+            now = time.monotonic()
+            if now - last_poll >= CANCEL_POLL_SECONDS:
+                last_poll = now
+                self._poll_cancelled()
+                self.metrics.update_gauges(self.scheduler.stats)
+
+    def _take_submitted(self) -> None:
+        while True:
+            try:
+                state = self.submitted.get_nowait()
+            except queue.Empty:
+                return
+            if not state.done:  # it may have finished before it was registered
+                self.active[state.uid] = state
+
+    def _poll_cancelled(self) -> None:
+        for state in list(self.active.values()):
+            if not state.cancelled and state.request.is_cancelled():
+                state.cancelled = True
+                self.scheduler.abort(state.uid)
+
+    def _respond(self, state: ActiveRequest, out: RequestOutput) -> None:
+        self.metrics.record_output(out, state.first_output, state.arrived)
+        state.first_output = False
+        try:
+            if out.error is not None:
+                self._send_error(state, out)
+            elif state.parsed.stream:
+                if out.token_ids or out.finished:
+                    state.token_ids.extend(out.token_ids)
+                    state.sender.send(self._response(state, out, out.text, out.token_ids),
+                                      flags=FINAL if out.finished else 0)
+            else:
+                state.text.append(out.text)
+                state.token_ids.extend(out.token_ids)
+                if out.finished:
+                    text = "".join(state.text)
+                    if not state.parsed.exclude_input:
+                        text = self.llm.tokenizer.decode(state.parsed.prompt_ids,
+                                                         skip_special_tokens=True) + text
+                    state.sender.send(self._response(state, out, text, state.token_ids),
+                                      flags=FINAL)
+        except Exception:  # a client gone away must not stop the thread
+            logger.exception("sending a response failed")
+            if not out.finished:
+                self.scheduler.abort(state.uid)
+        if out.finished:
+            state.done = True
+            self.active.pop(state.uid, None)
+
+    def _send_error(self, state: ActiveRequest, out: RequestOutput) -> None:
+        if out.finish_reason == "abort" and state.cancelled:
+            error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+        else:
+            error = pb_utils.TritonError(out.error)
+        state.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    def _response(self, state: ActiveRequest, out: RequestOutput, text: str,
+                  token_ids: list[int]) -> Any:
+        parsed = state.parsed
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([[text.encode()]], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.asarray([token_ids], dtype=np.int32)),
+        ]
+        if parsed.return_num_input_tokens:
+            tensors.append(_int_tensor("num_input_tokens", out.prompt_tokens))
+        if parsed.return_num_output_tokens:
+            tensors.append(_int_tensor("num_output_tokens", len(state.token_ids)))
+        if parsed.return_cached_tokens:
+            tensors.append(_int_tensor("cached_tokens", out.cached_tokens))
+        if parsed.return_finish_reason and out.finished:
+            tensors.append(pb_utils.Tensor(
+                "finish_reason", np.array([[(out.finish_reason or "").encode()]],
+                                          dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self) -> None:
+        self.llm.shutdown()  # ends every request still running with an "abort" output
+        self.outputs.put(None)
+        self.thread.join(timeout=10)
+
+
+def _int_tensor(name: str, value: int) -> Any:
+    return pb_utils.Tensor(name, np.asarray([[value]], dtype=np.int32))

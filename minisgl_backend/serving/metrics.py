@@ -1,0 +1,62 @@
+"""Custom metrics on Triton's /metrics endpoint (`pb_utils.MetricFamily`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from minisgl_backend.scheduler import RequestOutput
+from minisgl_backend.scheduler.scheduler import SchedulerStats
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+def _family(name: str, description: str, kind: Any) -> Any:
+    return pb_utils.MetricFamily(name=name, description=description, kind=kind)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        labels = {"model": model_name}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self._families = [  # keep the families alive as long as their metrics
+            _family("minisgl_kv_pages_total", "KV cache pages in the pool", gauge),
+            _family("minisgl_kv_pages_in_use", "KV pages held by admitted requests", gauge),
+            _family("minisgl_kv_pages_cached", "Unlocked prefix-cache KV pages", gauge),
+            _family("minisgl_requests_running", "Requests admitted to the engine", gauge),
+            _family("minisgl_requests_waiting", "Requests waiting for admission", gauge),
+            _family("minisgl_prompt_tokens_cached_total",
+                    "Prompt tokens served from the prefix cache", counter),
+            _family("minisgl_prompt_tokens_total", "Prompt tokens of admitted requests", counter),
+            _family("minisgl_generated_tokens_total", "Tokens generated", counter),
+            _family("minisgl_time_to_first_token_seconds",
+                    "Time from arrival to the first output", pb_utils.MetricFamily.HISTOGRAM),
+        ]
+        (pages_total, in_use, cached, running, waiting, prompt_cached, prompt, generated,
+         ttft) = self._families
+        self.pages_total = pages_total.Metric(labels=labels)
+        self.pages_in_use = in_use.Metric(labels=labels)
+        self.pages_cached = cached.Metric(labels=labels)
+        self.running = running.Metric(labels=labels)
+        self.waiting = waiting.Metric(labels=labels)
+        self.prompt_cached = prompt_cached.Metric(labels=labels)
+        self.prompt = prompt.Metric(labels=labels)
+        self.generated = generated.Metric(labels=labels)
+        self.ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
+
+    def update_gauges(self, stats: SchedulerStats) -> None:
+        self.pages_total.set(stats.kv_pages_total)
+        self.pages_in_use.set(stats.kv_pages_in_use)
+        self.pages_cached.set(stats.kv_pages_cached)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+
+    def record_output(self, out: RequestOutput, first: bool, arrived: float) -> None:
+        if out.token_ids:
+            self.generated.increment(len(out.token_ids))
+        if first and out.error is None:
+            self.ttft.observe(time.monotonic() - arrived)
+            self.prompt.increment(out.prompt_tokens)
+            self.prompt_cached.increment(out.cached_tokens)

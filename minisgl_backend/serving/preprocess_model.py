@@ -1,0 +1,47 @@
+"""Triton `preprocessing` model: prompt text (or chat messages) to token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from minisgl_backend.serving.request import RequestError, chat_messages, decode_text, scalar
+from minisgl_backend.serving.settings import load_model_config, model_parameters, resolve_model_dir
+from minisgl_backend.tokenizer import encode_chat, encode_prompt
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        from transformers import AutoTokenizer
+
+        parameters = model_parameters(load_model_config(args))
+        model_dir = resolve_model_dir(parameters, args["model_repository"])
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        return [self._tokenize(request) for request in requests]
+
+    def _tokenize(self, request: Any) -> Any:
+        def get(name: str) -> np.ndarray | None:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            ids = self.token_ids(get)
+        except RequestError as exc:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        tensor = pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32))
+        return pb_utils.InferenceResponse(output_tensors=[tensor])
+
+    def token_ids(self, get: Any) -> list[int]:
+        texts = get("text_input")
+        if texts is None or texts.size != 1:
+            raise RequestError("text_input must hold exactly one string")
+        text = decode_text(texts.reshape(-1)[0], "text_input")
+        if not text.strip():
+            raise RequestError("text_input is empty")
+        if scalar(get, "apply_chat_template", "bool", False):
+            return encode_chat(self.tokenizer, chat_messages(text))
+        return encode_prompt(self.tokenizer, text)
