@@ -1,0 +1,94 @@
+"""Triton request parsing and model settings, without a server: errors name the field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minisgl_backend.serving.request import (
+    RequestError,
+    chat_messages,
+    parse_engine_request,
+)
+from minisgl_backend.serving.settings import engine_settings, resolve_model_dir
+
+
+def getter(**inputs: object):  # noqa: ANN201
+    arrays = {k: np.asarray(v) for k, v in inputs.items()}
+    return arrays.get
+
+
+def parse(**inputs: object):  # noqa: ANN201
+    base = {"input_ids": [[5, 6, 7]], "max_tokens": [[8]]}
+    return parse_engine_request(getter(**{**base, **inputs}), max_tokens_limit=100)
+
+
+def test_defaults_follow_the_tensorrt_llm_convention() -> None:
+    req = parse()
+    assert req.prompt_ids == [5, 6, 7]
+    assert req.params.max_tokens == 8 and req.params.is_greedy
+    assert req.params.top_k == -1 and req.params.top_p == 1.0
+    assert not req.stream and not req.exclude_input
+
+
+def test_sampling_inputs_reach_the_params() -> None:
+    req = parse(temperature=np.array([[0.7]], dtype=np.float32),
+                top_k=np.array([[40]], dtype=np.int32), top_p=np.array([[0.9]], np.float32),
+                seed=np.array([[2**64 - 1]], dtype=np.uint64),
+                stop_words=np.array([[b"\n\n", b"END"]], dtype=object),
+                end_id=np.array([[2]], dtype=np.int32), min_length=np.array([[3]], np.int32),
+                stream=np.array([[True]]), ignore_eos=np.array([[True]]))
+    p = req.params
+    assert p.temperature == pytest.approx(0.7) and p.top_k == 40
+    assert p.top_p == pytest.approx(0.9) and p.seed == 2**64 - 1
+    assert p.stop == ("\n\n", "END") and p.stop_token_ids == (2,) and p.min_tokens == 3
+    assert p.ignore_eos and req.stream
+
+
+@pytest.mark.parametrize(("inputs", "field"), [
+    ({"input_ids": np.zeros((1, 0), dtype=np.int32)}, "input_ids"),
+    ({"max_tokens": [[0]]}, "max_tokens"),
+    ({"max_tokens": [[101]]}, "max_tokens"),
+    ({"max_tokens": np.array([[8.0]], dtype=np.float32)}, "max_tokens"),
+    ({"max_tokens": [[1, 2]]}, "max_tokens"),
+    ({"temperature": np.array([[-1.0]], dtype=np.float32)}, "temperature"),
+    ({"temperature": np.array([[np.nan]], dtype=np.float32)}, "temperature"),
+    ({"top_p": np.array([[0.0]], dtype=np.float32)}, "top_p"),
+    ({"top_p": np.array([[1.5]], dtype=np.float32)}, "top_p"),
+    ({"top_k": np.array([[-3]], dtype=np.int32)}, "top_k"),
+    ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words"),
+    ({"stop_words": np.array([[1.0]], dtype=np.float32)}, "stop_words"),
+    ({"stream": np.array([[1]], dtype=np.int32)}, "stream"),
+    ({"min_length": np.array([[50]], dtype=np.int32)}, "min_tokens"),
+])
+def test_bad_inputs_name_the_field(inputs: dict, field: str) -> None:
+    with pytest.raises(RequestError, match=field):
+        parse(**inputs)
+
+
+def test_missing_max_tokens_is_an_error() -> None:
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse_engine_request(getter(input_ids=[[1, 2]]), max_tokens_limit=10)
+
+
+def test_chat_messages_from_text_or_json() -> None:
+    assert chat_messages("hello") == [{"role": "user", "content": "hello"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert chat_messages(json.dumps(messages)) == messages
+    for bad in ('[{"role": 1}]', "[1, 2]", "[]", '[{"role": "user"'):
+        with pytest.raises(RequestError, match="text_input"):
+            chat_messages(bad)
+
+
+def test_engine_settings_from_parameters(tmp_path) -> None:  # noqa: ANN001
+    settings = engine_settings({"tp_size": "2", "page_size": "", "cache": "naive",
+                                "kv_memory_fraction": "0.5", "model": "x"})
+    assert settings == {"tp_size": 2, "cache": "naive", "kv_memory_fraction": 0.5}
+    with pytest.raises(ValueError, match="page_size"):
+        engine_settings({"page_size": "sixteen"})
+    repo = tmp_path / "model_repository" / "minisgl"
+    assert resolve_model_dir({}, str(repo)) == tmp_path / "models/SmolLM2-135M-Instruct"
+    assert resolve_model_dir({"model": "/abs/m"}, str(repo)).as_posix() == "/abs/m"
+    assert resolve_model_dir({"model": "rel/m"}, str(repo)) == tmp_path / "rel/m"
