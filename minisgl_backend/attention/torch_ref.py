@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.core import Batch
@@ -76,12 +77,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """q [b, n, heads, d], k/v [b, L, kv_heads, d], mask [b, 1, n, L] -> [b, n, heads, d]."""
-        group = q.shape[2] // k.shape[2]
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2).repeat_interleave(group, dim=1)
-        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = scores.float().masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).transpose(1, 2)
+        """q [b, n, heads, d], k/v [b, L, kv_heads, d], mask [b, 1, n, L] -> [b, n, heads, d].
+
+        torch's SDPA with `enable_gqa` shares each KV head with its group of query heads without
+        copying K/V (what HF transformers uses too)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            scale=self.scale, enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)

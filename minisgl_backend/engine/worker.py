@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -19,6 +21,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     since all ranks sample the same tokens. A failure is reported as ERROR before exiting.
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on loopback
+    _exit_with_parent()
     from minisgl_backend.distributed import destroy_process_group
     from minisgl_backend.engine.engine import Engine
 
@@ -48,3 +51,17 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     finally:
         destroy_process_group()
         conn.close()
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the process that spawned this one is gone (killed, crashed), so that an
+    engine never outlives its scheduler, even mid-step."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()

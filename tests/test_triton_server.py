@@ -1,0 +1,419 @@
+"""End to end: tritonserver serving `model_repository/` (the embedded default model, greedy).
+
+One server for the whole file (see tests/triton_fixtures.py). Requests use short max_tokens so
+that the file stays within a few minutes on a 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.tokenizer import encode_chat, encode_prompt
+from tests.conftest import hf_greedy
+from tests.triton_fixtures import (  # noqa: F401 - triton_server is a fixture
+    GrpcStream,
+    HttpResult,
+    TritonServer,
+    ensemble_inputs,
+    grpc_generate,
+    http_generate,
+    http_generate_stream,
+    http_status,
+    metrics,
+    tensor,
+    triton_server,
+)
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 16
+CHAT_QUESTION = "What is the capital of France?"
+REPLACEMENT = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model: Path):  # noqa: ANN201
+    return AutoTokenizer.from_pretrained(str(default_model))
+
+
+@pytest.fixture(scope="module")
+def server(triton_server: TritonServer, default_model: Path) -> TritonServer:  # noqa: F811
+    return triton_server
+
+
+@pytest.fixture(scope="module")
+def reference(server: TritonServer) -> HttpResult:
+    """Non-streaming HTTP generate of PROMPT, prompt excluded: what every other path must match."""
+    result = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
+                                    "exclude_input_in_output": True})
+    assert result.status == 200, result.body
+    assert result.text.strip() and len(result.ids) == MAX_TOKENS, result.body
+    return result
+
+
+def assert_one_final_last(result) -> None:  # noqa: ANN001 - a StreamResult
+    assert not result.errors, result.errors
+    assert result.responses, "no response"
+    assert result.finals == 1, [r.final for r in result.responses]
+    assert result.last.final
+
+
+def good_request_succeeds(server: TritonServer) -> None:
+    result = http_generate(server, {"text_input": PROMPT, "max_tokens": 4,
+                                    "exclude_input_in_output": True})
+    assert result.status == 200, result.body
+    assert len(result.ids) == 4 and result.text.strip()
+    assert http_status(f"{server.http_url}/v2/health/ready") == 200
+
+
+# ----- 1. streaming over gRPC and HTTP SSE equals the non-streaming text -----------------------
+
+
+def test_grpc_and_sse_streams_equal_non_streaming_text(server: TritonServer,
+                                                       reference: HttpResult, tokenizer) -> None:
+    grpc = grpc_generate(server, ensemble_inputs(PROMPT, MAX_TOKENS, stream=True))
+    assert_one_final_last(grpc)
+    assert len(grpc.responses) > 1, "streaming sent everything at once"
+    assert all(not r.final for r in grpc.responses[:-1])
+    assert grpc.text == reference.text
+    assert grpc.ids == reference.ids
+    assert not grpc.text.startswith(PROMPT)  # deltas never include the prompt
+
+    events = http_generate_stream(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
+                                           "return_finish_reason": True})
+    assert events and not any("error" in e for e in events), events
+    assert "".join(e["text_output"] for e in events) == reference.text
+    sse_ids = [i for e in events for i in ([e["output_ids"]] if isinstance(e["output_ids"], int)
+                                           else e["output_ids"])]
+    assert sse_ids == reference.ids
+    # the finish reason comes with the one final response, the last event
+    assert [("finish_reason" in e) for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["finish_reason"] == "length"
+
+    # without exclude_input_in_output the non-streaming text starts with the prompt
+    full = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    assert full.status == 200, full.body
+    prompt_text = tokenizer.decode(encode_prompt(tokenizer, PROMPT), skip_special_tokens=True)
+    assert full.text == prompt_text + reference.text
+    assert full.ids == reference.ids
+
+
+# ----- 2. the server equals the offline API and HF transformers -------------------------------
+
+
+def test_server_equals_offline_api_and_hf(server: TritonServer, reference: HttpResult,
+                                          default_model: Path, tokenizer) -> None:
+    with LLM(default_model, device="cpu") as llm:
+        offline = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    assert offline.text == reference.text
+    assert offline.token_ids == reference.ids
+
+    prompt_ids = encode_prompt(tokenizer, PROMPT)
+    hf_ids = hf_greedy(default_model, [prompt_ids], MAX_TOKENS, stop_at_eos=True)[0]
+    assert reference.ids == hf_ids
+    assert reference.text == tokenizer.decode(hf_ids, skip_special_tokens=True)
+
+
+# ----- 3. chat template ---------------------------------------------------------------------
+
+
+CHAT_OPTIONS = {"max_tokens": 24, "apply_chat_template": True, "exclude_input_in_output": True,
+                "return_num_input_tokens": True, "return_num_output_tokens": True,
+                "return_finish_reason": True, "return_cached_tokens": True}
+
+
+@pytest.fixture(scope="module")
+def chat_results(server: TritonServer) -> tuple[HttpResult, HttpResult]:
+    as_user = http_generate(server, {"text_input": CHAT_QUESTION, **CHAT_OPTIONS})
+    messages = json.dumps([{"role": "user", "content": CHAT_QUESTION}])
+    as_messages = http_generate(server, {"text_input": messages, **CHAT_OPTIONS})
+    return as_user, as_messages
+
+
+def test_chat_template_answers_paris(chat_results, tokenizer) -> None:  # noqa: ANN001
+    as_user, as_messages = chat_results
+    for result in (as_user, as_messages):
+        assert result.status == 200, result.body
+        assert "Paris" in result.text, result.text
+        assert "<|im_start|>" not in result.text and "assistant" not in result.text
+    assert as_messages.text == as_user.text
+    assert as_messages.ids == as_user.ids
+    expected_prompt = encode_chat(tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
+    assert as_user.body["num_input_tokens"] == len(expected_prompt)
+    assert as_messages.body["num_input_tokens"] == len(expected_prompt)
+
+
+def test_chat_template_streaming_and_full_text(server: TritonServer, chat_results,
+                                              tokenizer) -> None:  # noqa: ANN001
+    as_user, _ = chat_results
+    streamed = grpc_generate(server, ensemble_inputs(CHAT_QUESTION, 24, stream=True,
+                                                     apply_chat_template=True))
+    assert_one_final_last(streamed)
+    assert streamed.text == as_user.text
+    full = http_generate(server, {"text_input": CHAT_QUESTION, "max_tokens": 24,
+                                  "apply_chat_template": True})
+    prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
+    assert full.text == tokenizer.decode(prompt_ids, skip_special_tokens=True) + as_user.text
+
+
+# ----- 4. concurrent streams ------------------------------------------------------------------
+
+
+CONCURRENT_PROMPTS = [
+    "The capital of France is", "My favorite fruit is", "Once upon a time, there was",
+    "The quick brown fox", "Water boils at", "The largest planet in the solar system is",
+    "In 1492, Columbus", "A healthy breakfast includes", "The best way to learn Python is",
+    "Photosynthesis is the process", "The speed of light is", "Cats and dogs are",
+    "To make a cup of tea, first", "The Eiffel Tower is located in", "Mount Everest is",
+    "The meaning of life is",
+]
+
+
+CONCURRENT_MAX_TOKENS = 12
+
+
+def test_concurrent_grpc_streams(server: TritonServer) -> None:
+    assert len(CONCURRENT_PROMPTS) == 16
+    streams = [GrpcStream(server) for _ in CONCURRENT_PROMPTS]
+    try:
+        for i, (stream, prompt) in enumerate(zip(streams, CONCURRENT_PROMPTS)):
+            stream.send(ensemble_inputs(prompt, CONCURRENT_MAX_TOKENS, stream=True), f"c{i}")
+        results = [stream.collect([f"c{i}"], timeout=300)[f"c{i}"]
+                   for i, stream in enumerate(streams)]
+        time.sleep(0.5)
+        late = {i: s.events.qsize() for i, s in enumerate(streams) if not s.events.empty()}
+        assert not late, f"responses after the final one, per stream: {late}"
+    finally:
+        for stream in streams:
+            stream.close()
+    for prompt, result in zip(CONCURRENT_PROMPTS, results):
+        assert_one_final_last(result)
+        assert len(result.ids) == CONCURRENT_MAX_TOKENS or result.ids[-1:] == [2], \
+            (prompt, result.ids)
+
+    for prompt, result in zip(CONCURRENT_PROMPTS, results):  # one at a time
+        alone = http_generate(server, {"text_input": prompt, "max_tokens": CONCURRENT_MAX_TOKENS,
+                                       "exclude_input_in_output": True})
+        assert alone.status == 200, alone.body
+        assert (result.text, result.ids) == (alone.text, alone.ids), prompt
+
+
+# ----- 6. bad inputs ------------------------------------------------------------------------
+
+
+BAD_HTTP_REQUESTS = [
+    ({"text_input": "", "max_tokens": 4}, "text_input"),
+    ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"text_input": PROMPT, "max_tokens": 10**6}, "max_tokens"),
+    ({"text_input": PROMPT, "max_tokens": 4, "top_p": 0.0}, "top_p"),
+    ({"text_input": PROMPT, "max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ({"text_input": PROMPT, "max_tokens": 4, "temperature": -0.5}, "temperature"),
+    ({"text_input": "word " * 10000, "max_tokens": 4}, "prompt"),
+    ({"text_input": '[{"role": 1}]', "max_tokens": 4, "apply_chat_template": True},
+     "text_input"),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD_HTTP_REQUESTS,
+                         ids=["empty-text", "max-tokens-0", "max-tokens-huge", "top-p-0",
+                              "top-p-1.5", "negative-temperature", "prompt-too-long",
+                              "bad-chat-json"])
+def test_bad_http_request_names_the_field(server: TritonServer, body: dict, field: str) -> None:
+    result = http_generate(server, body)
+    assert 400 <= result.status < 500, (result.status, result.body)
+    assert result.error and field in result.error, result.body
+
+
+def test_bad_grpc_requests_name_the_field(server: TritonServer) -> None:
+    cases = [
+        (ensemble_inputs(PROMPT, 4) [:1] + [tensor("max_tokens", 4.0, "FP32")], "max_tokens"),
+        (ensemble_inputs(b"\xff\xfe", 4), "text_input"),
+        (ensemble_inputs(PROMPT, 4, stream=True, top_p=1.5), "top_p"),
+    ]
+    for inputs, field in cases:
+        with GrpcStream(server) as stream:
+            stream.send(inputs, "bad")
+            result = stream.collect(["bad"], timeout=60)["bad"]
+            assert not result.responses, [r.text for r in result.responses]
+            assert len(result.errors) == 1 and field in result.errors[0].message(), result.errors
+            with pytest.raises(queue.Empty):  # nothing follows the error
+                stream.next_event(timeout=0.3)
+
+
+def test_wrong_json_type_is_rejected(server: TritonServer) -> None:
+    # Triton's HTTP frontend parses the JSON before any model sees it; its message
+    # ("attempt to access JSON non-number as double") does not name the input.
+    result = http_generate(server, {"text_input": PROMPT, "max_tokens": 4, "temperature": "hot"})
+    assert result.status >= 400 and result.error, (result.status, result.body)
+
+
+def test_server_healthy_after_bad_requests(server: TritonServer) -> None:
+    good_request_succeeds(server)
+
+
+# ----- 7. multi-byte characters while streaming ---------------------------------------------
+
+
+# Chat-templated prompts the model answers with CJK characters / emoji (one character is 2-3
+# byte-level tokens). max_tokens ends each answer on a character boundary: a request cut inside
+# a character ends with U+FFFD in both the streamed and the whole text, as tokenizer.decode does.
+MULTIBYTE_PROMPTS = [
+    ("Translate 'thank you' into Chinese. Answer with the Chinese characters only.", 14),
+    ("Reply with a single emoji that means happy.", 15),  # 🌟 x 5, 3 tokens each
+]
+
+
+def test_multibyte_output_streams_whole_characters(server: TritonServer) -> None:
+    with GrpcStream(server) as stream:
+        for i, (prompt, max_tokens) in enumerate(MULTIBYTE_PROMPTS):
+            stream.send(ensemble_inputs(prompt, max_tokens, stream=True,
+                                        apply_chat_template=True), f"s{i}")
+        streamed = stream.collect([f"s{i}" for i in range(len(MULTIBYTE_PROMPTS))])
+    for i, (prompt, max_tokens) in enumerate(MULTIBYTE_PROMPTS):
+        result = streamed[f"s{i}"]
+        assert_one_final_last(result)
+        deltas = [r.text for r in result.responses]
+        assert not any(REPLACEMENT in d for d in deltas), deltas
+        assert any(ord(ch) > 0x2E7F for ch in result.text), result.text  # CJK or emoji
+        # characters split over several tokens: their first tokens' responses carry no text
+        assert any(r.ids and r.text == "" for r in result.responses), deltas
+        whole = http_generate(server, {"text_input": prompt, "max_tokens": max_tokens,
+                                       "apply_chat_template": True,
+                                       "exclude_input_in_output": True})
+        assert whole.status == 200, whole.body
+        assert result.text == whole.text
+        assert result.ids == whole.ids
+
+
+# ----- 8. return_* outputs ------------------------------------------------------------------
+
+
+def test_return_flags_stop_and_length(server: TritonServer, chat_results,  # noqa: ANN001
+                                      tokenizer) -> None:
+    as_user, _ = chat_results
+    body = as_user.body
+    assert body["finish_reason"] == "stop", body  # EOS before max_tokens
+    assert len(as_user.ids) < 24 and as_user.ids[-1] == tokenizer.eos_token_id
+    assert body["num_output_tokens"] == len(as_user.ids)
+
+    result = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
+                                    "exclude_input_in_output": True,
+                                    "return_num_input_tokens": True,
+                                    "return_num_output_tokens": True,
+                                    "return_finish_reason": True})
+    assert result.status == 200, result.body
+    assert result.body["finish_reason"] == "length"
+    assert result.body["num_output_tokens"] == len(result.ids) == MAX_TOKENS
+    assert result.body["num_input_tokens"] == len(encode_prompt(tokenizer, PROMPT))
+    assert "cached_tokens" not in result.body  # not asked for
+
+    plain = http_generate(server, {"text_input": PROMPT, "max_tokens": 2})
+    assert plain.status == 200
+    assert not {"finish_reason", "num_input_tokens", "num_output_tokens",
+                "cached_tokens"} & set(plain.body), plain.body
+
+
+def test_return_flags_streaming(server: TritonServer) -> None:
+    result = grpc_generate(server, ensemble_inputs(
+        PROMPT, 6, stream=True, return_num_input_tokens=True, return_num_output_tokens=True,
+        return_finish_reason=True))
+    assert_one_final_last(result)
+    assert [("finish_reason" in r.outputs) for r in result.responses] == \
+        [False] * (len(result.responses) - 1) + [True]
+    assert result.last.outputs["finish_reason"] == "length"
+    assert result.last.outputs["num_output_tokens"] == len(result.ids) == 6
+
+
+def test_cached_tokens_on_repeated_long_prompt(server: TritonServer, tokenizer) -> None:
+    prompt = ("Zebras of the northern savanna keep a strict ledger of every watering hole, "
+              "noting the depth, the taste and the crocodiles seen there. ") * 8
+    n_prompt = len(encode_prompt(tokenizer, prompt))
+    assert n_prompt > 200
+    body = {"text_input": prompt, "max_tokens": 4, "exclude_input_in_output": True,
+            "return_cached_tokens": True, "return_num_input_tokens": True,
+            "return_num_output_tokens": True}
+    before = metrics(server)
+    first = http_generate(server, body)
+    second = http_generate(server, body)
+    after = metrics(server)
+    assert first.status == second.status == 200, (first.body, second.body)
+    assert first.body["num_input_tokens"] == second.body["num_input_tokens"] == n_prompt
+    assert first.body["cached_tokens"] == 0
+    assert 0 < second.body["cached_tokens"] < n_prompt
+    assert second.body["cached_tokens"] >= n_prompt - 16
+    assert (second.text, second.ids) == (first.text, first.ids)
+    # the counters moved by exactly these two requests
+    assert after["minisgl_prompt_tokens_cached_total"] - \
+        before["minisgl_prompt_tokens_cached_total"] == second.body["cached_tokens"]
+    assert after["minisgl_generated_tokens_total"] - before["minisgl_generated_tokens_total"] == \
+        first.body["num_output_tokens"] + second.body["num_output_tokens"]
+    assert after["minisgl_time_to_first_token_seconds_count"] - \
+        before["minisgl_time_to_first_token_seconds_count"] == 2
+
+
+# ----- 5. cancellation ----------------------------------------------------------------------
+
+
+def wait_engine_idle(server: TritonServer, timeout: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        sample = metrics(server)
+        idle = {k: sample.get(k) for k in ("minisgl_kv_pages_in_use", "minisgl_requests_running",
+                                           "minisgl_requests_waiting")}
+        if all(v == 0 for v in idle.values()) or time.monotonic() > deadline:
+            return idle
+        time.sleep(0.1)
+
+
+def cancel_long_stream(server: TritonServer, model: str, inputs: list) -> None:
+    stream = GrpcStream(server)
+    try:
+        stream.send(inputs, "long", model=model)
+        for _ in range(3):  # a few tokens, then cancel
+            _, response, error = stream.next_event(timeout=120)
+            assert error is None, error
+            assert not response.final, "the long request ended before it was cancelled"
+    finally:
+        stream.close(cancel_requests=True)
+    events = []
+    while True:
+        try:
+            events.append(stream.next_event(timeout=0.5))
+        except queue.Empty:
+            break
+    errors = [e for _, _, e in events if e is not None]
+    assert errors and errors[-1].status() == "StatusCode.CANCELLED", events
+    assert not any(r is not None and r.final for _, r, _ in events), events
+
+
+def test_cancel_engine_model_stream_frees_the_engine(server: TritonServer, tokenizer) -> None:
+    """Cancelling a stream sent to the decoupled `minisgl` model itself."""
+    ids = encode_prompt(tokenizer, "Tell me a very long story about a dragon.")
+    inputs = [tensor("input_ids", ids, "INT32"), tensor("max_tokens", 400, "INT32"),
+              tensor("stream", True), tensor("ignore_eos", True)]
+    cancel_long_stream(server, "minisgl", inputs)
+    idle = wait_engine_idle(server)
+    assert all(v == 0 for v in idle.values()), f"engine still busy 5 s after cancel: {idle}"
+    good_request_succeeds(server)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Triton 2.51 does not pass a client's cancellation to a decoupled step already running "
+    "inside an ensemble (it cancels only between steps), so the engine never sees it"))
+def test_cancel_ensemble_stream_frees_the_engine(server: TritonServer) -> None:
+    """Cancelling a stream sent to the public `ensemble` model."""
+    inputs = ensemble_inputs("Tell me a very long story about a dragon.", 200, stream=True,
+                             ignore_eos=True)
+    cancel_long_stream(server, "ensemble", inputs)
+    try:
+        idle = wait_engine_idle(server)
+        assert all(v == 0 for v in idle.values()), f"engine still busy 5 s after cancel: {idle}"
+    finally:  # an uncancelled request runs to its end before the server is stopped
+        wait_engine_idle(server, timeout=600)
+    good_request_succeeds(server)
