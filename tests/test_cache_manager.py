@@ -27,6 +27,7 @@ from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.prefill import PrefillManager
 from minisgl_backend.scheduler.table import RowAllocator
+from minisgl_backend.scheduler.scheduler import complete_step
 
 PAGE_SIZES = [1, 16]
 EOS = 0
@@ -172,13 +173,8 @@ class Sim:
     def _process(self, batch: list[Req], tokens: list[int]) -> None:
         """As `Scheduler._process`."""
         for req, token in zip(batch, tokens):
-            was_prefilling = req.cached_len < req.prompt_len
-            req.cached_len = req.device_len
-            if req.cached_len < req.prompt_len:
+            if not complete_step(req, self.cache, self.decode):
                 continue  # a chunk of the prompt
-            if was_prefilling:
-                self.cache.cache_prefix(req)
-                self.decode.add(req)
             req.input_ids.append(token)
             params = req.sampling_params
             if (token == EOS and not params.ignore_eos) or len(req.output_ids) >= params.max_tokens:

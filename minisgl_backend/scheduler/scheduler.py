@@ -61,6 +61,22 @@ class _Abort:
     uid: int
 
 
+def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
+    """Record that a step computed `req`'s scheduled tokens; True if its sampled token counts.
+
+    A request that just finished its prompt shares the prompt through the prefix cache and
+    starts decoding; a chunk of a longer prompt samples a meaningless token.
+    """
+    was_prefilling = req.cached_len < req.prompt_len
+    req.cached_len = req.device_len
+    if req.cached_len < req.prompt_len:
+        return False
+    if was_prefilling:
+        cache.cache_prefix(req)
+        decode.add(req)
+    return True
+
+
 class Scheduler:
     """Runs requests to completion on the engine processes; thread-safe `submit` / `abort`."""
 
@@ -275,13 +291,8 @@ class Scheduler:
 
     def _process(self, batch: list[Req], tokens: list[int]) -> None:
         for req, token in zip(batch, tokens):
-            was_prefilling = req.cached_len < req.prompt_len
-            req.cached_len = req.device_len
-            if req.cached_len < req.prompt_len:
-                continue  # a chunk of the prompt: its sampled token is meaningless
-            if was_prefilling:
-                self.cache.cache_prefix(req)
-                self.decode.add(req)
+            if not complete_step(req, self.cache, self.decode):
+                continue
             if self.trackers[req.uid].add_token(token):
                 self._finish(req)
 
