@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from minisgl_backend.kvcache.pool import PagedKVPool
 
 Phase = Literal["prefill", "decode"]
-FinishReason = Literal["stop", "length"]
 
 
 def _is_int(value: object) -> bool:

@@ -16,10 +16,6 @@ class TPInfo:
     rank: int
     size: int
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 _TP = TPInfo(rank=0, size=1)
 

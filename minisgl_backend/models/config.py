@@ -57,11 +57,6 @@ class ModelConfig:
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
 
-    @property
-    def kv_bytes_per_token_element(self) -> int:
-        """K and V elements per token over all layers (multiply by dtype size, divide by tp)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []

@@ -108,13 +108,10 @@ class Scheduler:
     # ----- public, thread-safe -------------------------------------------------------------
 
     @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
-
-    @property
     def max_request_tokens(self) -> int:
-        """The most tokens (prompt + max_tokens) one request may hold."""
-        return min(self.engine.max_seq_len, self.engine.num_pages * self.config.engine.page_size)
+        """The most tokens (prompt + max_tokens) one request may hold (the engine's limit:
+        the model's context, capped by the KV pool)."""
+        return self.engine.max_seq_len
 
     def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise ValueError (naming the field) if the request can never run."""
