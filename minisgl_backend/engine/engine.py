@@ -122,10 +122,10 @@ class Engine:
         with self.ctx.forward_batch(batch):
             logits = self.model()
         self._mask_early_stops(logits, rows, batch.seq_lens)
-        next_tokens = sample(logits, self._sampling_tensors(rows, batch.seq_lens))
-        rows_t = batch.rows
-        self.token_pool[rows_t, torch.tensor(batch.seq_lens, device=self.device)] = \
-            next_tokens.to(torch.int32)
+        # The sampled token's position: it seeds sampling and is where the token pool keeps it.
+        next_positions = torch.tensor(batch.seq_lens, device=self.device)
+        next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
+        self.token_pool[batch.rows, next_positions] = next_tokens.to(torch.int32)
         return next_tokens.to(device="cpu", dtype=torch.int32)
 
     def _admit(self, msg: dict[str, np.ndarray]) -> None:
@@ -190,10 +190,10 @@ class Engine:
                      out_slots=out_slots, extend_lens=extend_lens,
                      seq_lens=self.row_len[rows].tolist())
 
-    def _sampling_tensors(self, rows: np.ndarray, seq_lens: list[int]) -> SamplingTensors:
+    def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingTensors:
         idx = torch.from_numpy(rows).to(self.device)
         return SamplingTensors(
             temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
-            seed=self.seed[idx], position=torch.tensor(seq_lens, device=self.device),
+            seed=self.seed[idx], position=positions,
             all_greedy=bool(self.row_greedy[rows].all()),
         )

@@ -152,10 +152,6 @@ class Scheduler:
     def alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
-
     def shutdown(self) -> None:
         if self._thread.is_alive():
             self._inbox.put(None)

@@ -28,6 +28,7 @@ from minisgl_backend.serving.settings import (
     model_parameters,
     resolve_model_dir,
 )
+from minisgl_backend.serving.tensors import input_getter
 
 logger = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.02
@@ -74,12 +75,8 @@ class TritonPythonModel:
     def _submit(self, request: Any) -> None:
         sender = request.get_response_sender()
 
-        def get(name: str) -> np.ndarray | None:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         try:
-            parsed = parse_engine_request(get, self.scheduler.max_request_tokens)
+            parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens)
             self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),

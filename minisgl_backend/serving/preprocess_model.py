@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from minisgl_backend.serving.request import RequestError, chat_messages, decode_text, scalar
 from minisgl_backend.serving.settings import load_model_config, model_parameters, resolve_model_dir
+from minisgl_backend.serving.tensors import input_getter
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 
@@ -24,12 +25,8 @@ class TritonPythonModel:
         return [self._tokenize(request) for request in requests]
 
     def _tokenize(self, request: Any) -> Any:
-        def get(name: str) -> np.ndarray | None:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         try:
-            ids = self.token_ids(get)
+            ids = self.token_ids(input_getter(request))
         except RequestError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         tensor = pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32))
