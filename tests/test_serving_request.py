@@ -92,3 +92,38 @@ def test_engine_settings_from_parameters(tmp_path) -> None:  # noqa: ANN001
     assert resolve_model_dir({}, str(repo)) == tmp_path / "models/SmolLM2-135M-Instruct"
     assert resolve_model_dir({"model": "/abs/m"}, str(repo)).as_posix() == "/abs/m"
     assert resolve_model_dir({"model": "rel/m"}, str(repo)) == tmp_path / "rel/m"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from minisgl_backend.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def text_request(tokenizer, **inputs: object):  # noqa: ANN001, ANN201
+    base = {"max_tokens": [[8]]}
+    return parse_engine_request(getter(**{**base, **inputs}), 100, tokenizer)
+
+
+def test_text_input_is_tokenized_like_preprocessing(tokenizer) -> None:  # noqa: ANN001
+    from minisgl_backend.tokenizer import encode_chat, encode_prompt
+
+    text = "def add(a, b):"
+    req = text_request(tokenizer, text_input=np.array([[text.encode()]], dtype=object))
+    assert req.prompt_ids == encode_prompt(tokenizer, text)
+    chat = text_request(tokenizer, text_input=np.array([[text.encode()]], dtype=object),
+                        apply_chat_template=np.array([[True]]))
+    assert chat.prompt_ids == encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize(("inputs", "field"), [
+    ({}, "text_input"),
+    ({"text_input": np.array([[b"  "]], dtype=object)}, "text_input"),
+    ({"text_input": np.array([[b"\xc3\x28"]], dtype=object)}, "text_input"),
+    ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, "text_input"),
+    ({"text_input": np.array([[b"hi"]], dtype=object), "input_ids": [[1, 2]]}, "input_ids"),
+])
+def test_bad_text_input_names_the_field(tokenizer, inputs: dict, field: str) -> None:  # noqa: ANN001
+    with pytest.raises(RequestError, match=field):
+        text_request(tokenizer, **inputs)

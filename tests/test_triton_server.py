@@ -120,6 +120,24 @@ def test_server_equals_offline_api_and_hf(server: TritonServer, reference: HttpR
     assert reference.text == tokenizer.decode(hf_ids, skip_special_tokens=True)
 
 
+def test_engine_model_takes_the_ensembles_inputs(server: TritonServer, reference: HttpResult,
+                                                 tokenizer) -> None:
+    """`minisgl` called directly with `text_input` answers like the ensemble; with token ids
+    from preprocessing too; both at once is an error naming the field."""
+    direct = grpc_generate(server, ensemble_inputs(PROMPT, MAX_TOKENS, stream=True,
+                                                   exclude_input_in_output=True), model="minisgl")
+    assert_one_final_last(direct)
+    assert direct.text == reference.text and direct.ids == reference.ids
+    ids = encode_prompt(tokenizer, PROMPT)
+    by_ids = grpc_generate(server, [tensor("input_ids", ids, "INT32"),
+                                    tensor("max_tokens", MAX_TOKENS, "INT32")], model="minisgl")
+    assert_one_final_last(by_ids)
+    assert by_ids.ids == reference.ids
+    both = grpc_generate(server, ensemble_inputs(PROMPT, 4) + [tensor("input_ids", ids, "INT32")],
+                         model="minisgl")
+    assert both.errors and "input_ids" in str(both.errors[0]), both
+
+
 # ----- 3. chat template ---------------------------------------------------------------------
 
 
@@ -392,11 +410,10 @@ def cancel_long_stream(server: TritonServer, model: str, inputs: list) -> None:
     assert not any(r is not None and r.final for _, r, _ in events), events
 
 
-def test_cancel_engine_model_stream_frees_the_engine(server: TritonServer, tokenizer) -> None:
-    """Cancelling a stream sent to the decoupled `minisgl` model itself."""
-    ids = encode_prompt(tokenizer, "Tell me a very long story about a dragon.")
-    inputs = [tensor("input_ids", ids, "INT32"), tensor("max_tokens", 400, "INT32"),
-              tensor("stream", True), tensor("ignore_eos", True)]
+def test_cancel_engine_model_stream_frees_the_engine(server: TritonServer) -> None:
+    """Cancelling a stream sent with the ensemble's inputs to the decoupled `minisgl` model."""
+    inputs = ensemble_inputs("Tell me a very long story about a dragon.", 400, stream=True,
+                             ignore_eos=True)
     cancel_long_stream(server, "minisgl", inputs)
     idle = wait_engine_idle(server)
     assert all(v == 0 for v in idle.values()), f"engine still busy 5 s after cancel: {idle}"
@@ -405,7 +422,8 @@ def test_cancel_engine_model_stream_frees_the_engine(server: TritonServer, token
 
 @pytest.mark.xfail(strict=True, reason=(
     "Triton 2.51 does not pass a client's cancellation to a decoupled step already running "
-    "inside an ensemble (it cancels only between steps), so the engine never sees it"))
+    "inside an ensemble (it cancels only between steps), so the engine never sees it; "
+    "clients that cancel mid-stream call `minisgl` directly (test above)"))
 def test_cancel_ensemble_stream_frees_the_engine(server: TritonServer) -> None:
     """Cancelling a stream sent to the public `ensemble` model."""
     inputs = ensemble_inputs("Tell me a very long story about a dragon.", 200, stream=True,

@@ -76,7 +76,8 @@ class TritonPythonModel:
         sender = request.get_response_sender()
 
         try:
-            parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens)
+            parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
+                                          self.llm.tokenizer)
             self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),

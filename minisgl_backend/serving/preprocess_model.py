@@ -7,10 +7,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from minisgl_backend.serving.request import RequestError, chat_messages, decode_text, scalar
+from minisgl_backend.serving.request import RequestError, prompt_token_ids
 from minisgl_backend.serving.settings import load_model_config, model_parameters, resolve_model_dir
 from minisgl_backend.serving.tensors import input_getter
-from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 
 class TritonPythonModel:
@@ -26,19 +25,8 @@ class TritonPythonModel:
 
     def _tokenize(self, request: Any) -> Any:
         try:
-            ids = self.token_ids(input_getter(request))
+            ids = prompt_token_ids(input_getter(request), self.tokenizer)
         except RequestError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         tensor = pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32))
         return pb_utils.InferenceResponse(output_tensors=[tensor])
-
-    def token_ids(self, get: Any) -> list[int]:
-        texts = get("text_input")
-        if texts is None or texts.size != 1:
-            raise RequestError("text_input must hold exactly one string")
-        text = decode_text(texts.reshape(-1)[0], "text_input")
-        if not text.strip():
-            raise RequestError("text_input is empty")
-        if scalar(get, "apply_chat_template", "bool", False):
-            return encode_chat(self.tokenizer, chat_messages(text))
-        return encode_prompt(self.tokenizer, text)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import SamplingParams
+from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
@@ -94,13 +95,40 @@ def chat_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def parse_engine_request(get: GetInput, max_tokens_limit: int) -> EngineRequest:
-    """Read the inputs of the `minisgl` model (token ids from preprocessing + settings)."""
+def prompt_token_ids(get: GetInput, tokenizer: Any) -> list[int]:
+    """`text_input` (plain, or chat when `apply_chat_template`) as the prompt's token ids."""
+    texts = get("text_input")
+    if texts is None or texts.size != 1:
+        raise RequestError("text_input must hold exactly one string")
+    text = decode_text(texts.reshape(-1)[0], "text_input")
+    if not text.strip():
+        raise RequestError("text_input is empty")
+    if scalar(get, "apply_chat_template", "bool", False):
+        return encode_chat(tokenizer, chat_messages(text))
+    return encode_prompt(tokenizer, text)
+
+
+def _prompt(get: GetInput, tokenizer: Any) -> list[int]:
+    """Token ids from preprocessing (`input_ids`), or `text_input` tokenized here."""
     ids = get("input_ids")
-    if ids is None or ids.size == 0:
+    if ids is None:
+        if get("text_input") is None or tokenizer is None:
+            raise RequestError("text_input is required")
+        return prompt_token_ids(get, tokenizer)
+    if get("text_input") is not None:
+        raise RequestError("give text_input or input_ids, not both")
+    if ids.size == 0:
         raise RequestError("input_ids is empty (text_input must not be empty)")
     if ids.dtype.kind not in "iu":
         raise RequestError(f"input_ids must be integers, got dtype {ids.dtype}")
+    return [int(t) for t in ids.reshape(-1)]
+
+
+def parse_engine_request(get: GetInput, max_tokens_limit: int,
+                         tokenizer: Any = None) -> EngineRequest:
+    """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
+    text when called directly) and the generation settings."""
+    prompt_ids = _prompt(get, tokenizer)
     max_tokens = scalar(get, "max_tokens", "int")
     if max_tokens is None:
         raise RequestError("max_tokens is required")
@@ -123,7 +151,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int) -> EngineRequest:
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(
-        prompt_ids=[int(t) for t in ids.reshape(-1)],
+        prompt_ids=prompt_ids,
         params=params,
         stream=bool(scalar(get, "stream", "bool", False)),
         exclude_input=bool(scalar(get, "exclude_input_in_output", "bool", False)),
