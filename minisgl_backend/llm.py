@@ -44,6 +44,10 @@ class LLM:
         dtype: "auto", "float32", "bfloat16" or "float16".
         attention_backend: "auto" or a backend name.
         kv_memory_fraction: GPU: share of free memory the weights and KV pool may take.
+        load_format: "auto" (the checkpoint) or "dummy" (random weights from config.json alone,
+            for benchmarks of real shapes without weights on disk).
+        cuda_graph_max_bs: GPU: decode batches up to this size replay CUDA graphs; 0: off.
+        overlap: GPU: the engine prepares and launches step N+1 while step N runs.
         debug_checks: verify page accounting after every step (slow; for tests).
     """
 
@@ -61,9 +65,16 @@ class LLM:
         dtype: str = "auto",
         attention_backend: str = "auto",
         kv_memory_fraction: float = 0.85,
+        load_format: str = "auto",
+        cuda_graph_max_bs: int = 256,
+        overlap: bool = True,
         debug_checks: bool = False,
     ) -> None:
         _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
         model_dir = Path(model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model: {str(model)!r} is not a HF model folder (no config.json)")
@@ -75,7 +86,8 @@ class LLM:
             model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
             max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
             device=device, dtype=dtype, attention_backend=attention_backend,
-            kv_memory_fraction=kv_memory_fraction,
+            kv_memory_fraction=kv_memory_fraction, load_format=load_format,
+            cuda_graph_max_bs=cuda_graph_max_bs, overlap=bool(overlap),
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks)

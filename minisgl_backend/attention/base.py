@@ -12,9 +12,18 @@ from minisgl_backend.core import Batch
 class AttentionBackend(ABC):
     """Each backend reads K/V of earlier tokens from the paged pool through the page table.
 
-    `prepare(batch)` runs once per step and stores whatever the kernels need in
+    `prepare(batch, page_table)` runs once per step and stores whatever the kernels need in
     `batch.attn_metadata`; `forward` stores this step's K/V in the pool and attends.
+
+    Decode steps can be replayed from CUDA graphs when `supports_cuda_graph` is True. The
+    engine then calls `init_cuda_graph(max_bs)` once, `prepare_for_capture(batch)` before
+    capturing each batch size (the batch holds the graph's static tensors and dummy rows), and
+    `prepare_for_replay(batch, page_table)` before every replay: it must update, in place, the
+    metadata tensors that the captured kernels read, and run no kernel whose launch shape
+    depends on the batch's contents.
     """
+
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def prepare(self, batch: Batch, page_table: torch.Tensor) -> None: ...
@@ -24,3 +33,12 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
+
+    def init_cuda_graph(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -19,6 +19,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_memory_fraction: float = 0.85  # GPU: share of free memory the weights + KV may take
     cpu_kv_memory_fraction: float = 0.10  # CPU default pool: share of physical RAM
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random, config only
+    # Decode batches up to this size replay CUDA graphs (GPU only); 0 turns graphs off.
+    cuda_graph_max_bs: int = 256
+    overlap: bool = True  # GPU: prepare and launch step N+1 while step N runs
 
     @property
     def device_type(self) -> str:

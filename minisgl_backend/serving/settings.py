@@ -9,7 +9,7 @@ from typing import Any
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # relative to the repository root
 
 # parameter key -> (LLM keyword, type)
-_ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
+_ENGINE_PARAMETERS: dict[str, tuple[str, type | str]] = {
     "tp_size": ("tp_size", int),
     "page_size": ("page_size", int),
     "max_running_requests": ("max_running_requests", int),
@@ -20,7 +20,10 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "device": ("device", str),
     "dtype": ("dtype", str),
     "attention_backend": ("attention_backend", str),
+    "cuda_graph_max_bs": ("cuda_graph_max_bs", int),
+    "overlap": ("overlap", "bool"),
 }
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def model_parameters(model_config: dict[str, Any]) -> dict[str, str]:
@@ -43,6 +46,11 @@ def engine_settings(parameters: dict[str, str]) -> dict[str, Any]:
     for key, (name, kind) in _ENGINE_PARAMETERS.items():
         value = parameters.get(key, "").strip()
         if not value:
+            continue
+        if kind == "bool":
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"parameter {key} must be true or false, got {value!r}")
+            settings[name] = _BOOLS[value.lower()]
             continue
         try:
             settings[name] = kind(value)
