@@ -8,19 +8,34 @@ import torch
 
 from minisgl_backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 def create_model(
-    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+    *, load_format: str = "auto",
 ) -> torch.nn.Module:
-    """Build the model on the meta device (no memory), then load this rank's weights."""
-    from minisgl_backend.models.decoder import CausalLM
-    from minisgl_backend.models.weights import load_weights
+    """Build the model on the meta device (no memory), then fill this rank's weights.
 
+    `load_format="auto"` reads them from the checkpoint in `model_dir`; "dummy" opens no file
+    and fills them with seeded random values on `device` (benchmarks of real shapes).
+    """
+    from minisgl_backend.models.decoder import CausalLM
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device("meta"):
         model = CausalLM(config)
-    load_weights(model, model_dir, device, dtype)
+    if load_format == "dummy":
+        from minisgl_backend.models.dummy import fill_dummy_weights
+
+        fill_dummy_weights(model, device, dtype)
+    else:
+        from minisgl_backend.models.weights import load_weights
+
+        load_weights(model, model_dir, device, dtype)
     model.move_rope_to(device)
     return model.eval()
 
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "create_model"]
+__all__ = ["LOAD_FORMATS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "create_model"]

@@ -1,0 +1,47 @@
+"""Random weights for a model built on the meta device (`load_format="dummy"`).
+
+Benchmarks of real shapes need no checkpoint: every parameter is allocated on the target
+device and dtype and filled there (no CPU round trip). The values keep activations finite in
+half precision through many layers, like HF's initialization: normal(0, 0.02) matrices, unit
+norm weights, small uniform biases.
+
+Sharded parameters are drawn from a rank-dependent seed (each rank fills only its own shard);
+replicated ones (norms, the MoE router) from a rank-independent one, so that every rank routes
+tokens to the same experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl_backend.distributed import get_tp_info
+from minisgl_backend.layers.linear import ReplicatedLinear
+from minisgl_backend.layers.norm import RMSNorm
+
+MATRIX_STD = 0.02
+BIAS_BOUND = 0.02
+
+
+def fill_dummy_weights(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> None:
+    """Replace every (meta) parameter of `model` with seeded random values on `device`."""
+    rank = get_tp_info().rank
+    shared = torch.Generator(device=device).manual_seed(seed)
+    sharded = torch.Generator(device=device).manual_seed(seed + 1 + rank)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            tensor = torch.empty(param.shape, device=device, dtype=dtype)
+            if isinstance(module, RMSNorm):
+                tensor.fill_(1.0)
+            elif name == "bias":
+                tensor.uniform_(-BIAS_BOUND, BIAS_BOUND, generator=sharded)
+            else:
+                gen = shared if isinstance(module, ReplicatedLinear) else sharded
+                tensor.normal_(0.0, MATRIX_STD, generator=gen)
+            setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    config = getattr(model, "config", None)
+    if config is not None and config.tie_word_embeddings:
+        # A tied checkpoint gives the LM head the embedding's values (see `WeightLoader._vocab`).
+        model.lm_head.weight.data.copy_(model.model.embed_tokens.weight)
