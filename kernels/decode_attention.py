@@ -1,0 +1,211 @@
+"""Paged decode attention (one query token per request) with GQA, split over the KV length.
+
+Flash-decoding in two kernels:
+  stage 1, grid (requests, kv_heads, num_splits): each program takes one contiguous slice of a
+    request's tokens and attends all query heads of one KV group to it at once (the group is one
+    `tl.dot` operand, padded to 16 rows), writing a normalized partial output and its
+    log-sum-exp (base 2) per query head;
+  stage 2, grid (requests, heads): merges the partials of all splits.
+The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
+launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
+divided among the splits inside the kernel, and splits past its end produce empty partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+MIN_DOT = 16  # tl.dot operands need every dimension >= 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, rows_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    stride_q_tok, stride_q_head,
+    stride_cache_slot, stride_cache_head,
+    stride_pt_row,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + req).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    # Equal slices rounded up to whole blocks, so only the last slice has a ragged end.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+                + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    kv_base = kv_head * stride_cache_head
+    page_row = page_table_ptr + row * stride_pt_row
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # Every block holds at least one valid key (pos = n0 < end), so the running max is finite.
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        page = tl.load(page_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        # K is loaded transposed, [BLOCK_D, BLOCK_N], to be the right operand of q @ k.
+        k = tl.load(k_cache_ptr + kv_base + slot[None, :] * stride_cache_slot + d[:, None],
+                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    nonempty = l > 0
+    out = acc / tl.where(nonempty, l, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    po = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head \
+        + split * stride_po_split + d[None, :]
+    tl.store(po, out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse,
+             mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
+    w = tl.exp2(lse - m)
+    part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
+                   + s[:, None] * stride_po_split + d[None, :],
+                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
+             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
+                      target_programs: int = 256) -> int:
+    """KV splits per request: enough (batch, kv head, split) programs to fill the GPU's SMs.
+
+    Depends only on the batch size and static settings, so a CUDA graph captured for a batch
+    size keeps a valid split count whatever the lengths are at replay."""
+    programs = max(1, batch_size * num_kv_heads)
+    return max(1, min(max_splits, triton.next_power_of_2(-(-target_programs // programs))))
+
+
+def decode_workspace(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 buffers for the partial outputs and log-sum-exps of `decode_attention`, big
+    enough for any batch up to `max_batch_size` with up to `max_splits` splits."""
+    partial_o = torch.empty(max_batch_size * num_heads * max_splits * head_dim,
+                            dtype=torch.float32, device=device)
+    partial_lse = torch.empty(max_batch_size * num_heads * max_splits, dtype=torch.float32,
+                              device=device)
+    return partial_o, partial_lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    page_size: int,
+    sm_scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """q [bs, heads, head_dim] attends to its request's first seq_lens[i] tokens -> [bs, heads,
+    head_dim] (in q's dtype, or written into `out`).
+
+    k_cache/v_cache: flat pool views [slots, kv_heads, head_dim]; a request's token at position
+    p lives in slot page_table[rows[i], p // page_size] * page_size + p % page_size.
+    rows [bs] and seq_lens [bs] are device integer tensors (a length of 0 gives zeros).
+    `workspace` (from `decode_workspace`) avoids allocating the partials on every call; it must
+    hold at least bs * heads * num_splits * (head_dim + 1) floats in all.
+    """
+    bs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    assert k_cache.shape[2] == head_dim and v_cache.shape == k_cache.shape, \
+        f"cache {tuple(k_cache.shape)} does not hold [slots, kv_heads, {head_dim}]"
+    assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+    assert rows.shape == (bs,) and seq_lens.shape == (bs,)
+    assert num_splits >= 1 and block_n >= MIN_DOT and block_n & (block_n - 1) == 0
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if workspace is None:
+        workspace = decode_workspace(bs, num_heads, head_dim, num_splits, q.device)
+    flat_o, flat_lse = workspace
+    assert flat_o.numel() >= bs * num_heads * num_splits * head_dim \
+        and flat_lse.numel() >= bs * num_heads * num_splits, "decode workspace too small"
+    partial_o = flat_o[: bs * num_heads * num_splits * head_dim].view(
+        bs, num_heads, num_splits, head_dim)
+    partial_lse = flat_lse[: bs * num_heads * num_splits].view(bs, num_heads, num_splits)
+    if bs == 0:
+        return out
+    group = num_heads // kv_heads
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
+    _decode_split_kernel[(bs, kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, partial_o, partial_lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION=precision, num_warps=4,
+    )
+    _decode_merge_kernel[(bs, num_heads)](
+        partial_o, partial_lse, out,
+        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+    )
+    return out
