@@ -1,0 +1,160 @@
+"""Smoke tests of the benchmark scripts: tiny shapes on CPU, each script in a subprocess.
+
+The three scripts start together (they mostly wait on engine start-up), then each test checks
+that its script exited 0 and ended with a Markdown table of positive numbers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl_backend.benchmark.cli import human_bytes, markdown_table
+from minisgl_backend.benchmark.hardware import weight_bytes
+from minisgl_backend.benchmark.shapes import SHAPES, shape_config
+from minisgl_backend.benchmark.workloads import anchor_workload, shared_prefix_workload
+from minisgl_backend.models import ModelConfig
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+COMMON = ["--device", "cpu", "--max-total-tokens", "4096"]
+RUNS: dict[str, list[str]] = {
+    "bench_decode": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens", "24",
+                     "--prompt-len", "4", "--repeats", "1", "--copy-mib", "16"],
+    "bench_offline": ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4",
+                      "--max-len", "12"],
+    "bench_mechanisms": ["--shape", "tiny-qwen3-moe", "--num-requests", "3", "--min-len", "4",
+                         "--max-len", "8", "--prefix-requests", "3", "--prefix-len", "48",
+                         "--suffix-len", "4", "--prefix-output-len", "2"],
+}
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, subprocess.CompletedProcess]:
+    procs = {
+        name: subprocess.Popen([sys.executable, str(SCRIPTS / f"{name}.py"), *COMMON, *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, args in RUNS.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return results
+
+
+def last_table(output: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the Markdown table the output ends with."""
+    lines = output.rstrip().splitlines()
+    start = len(lines)
+    while start > 0 and lines[start - 1].startswith("|"):
+        start -= 1
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[start:]]
+    assert len(cells) >= 3 and set(cells[1]) == {"---"}, output[-2000:]
+    return cells[0], cells[2:]
+
+
+def number(cell: str) -> float:
+    return float(cell.rstrip("x%"))
+
+
+def check_run(outputs: dict[str, subprocess.CompletedProcess], name: str,
+              header: tuple[str, ...], may_be_zero: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    run = outputs[name]
+    assert run.returncode == 0, run.stdout[-4000:]
+    columns, rows = last_table(run.stdout)
+    assert tuple(columns) == header
+    records = [dict(zip(columns, row)) for row in rows]
+    for record in records:
+        for column, cell in record.items():
+            if cell == "-" or column in ("shape", "mechanism", "setting", "workload"):
+                continue
+            assert number(cell) > 0 or (column in may_be_zero and number(cell) == 0), record
+    return records
+
+
+def test_bench_decode(outputs: dict[str, subprocess.CompletedProcess]) -> None:
+    rows = check_run(outputs, "bench_decode", (
+        "batch", "new tokens", "decode tok/s", "ms/step", "roofline tok/s", "of roofline",
+        "HF tok/s", "HF ms/step", "vs HF"))
+    assert [r["batch"] for r in rows] == ["1", "2"]
+    assert rows[0]["roofline tok/s"] != "-" and rows[1]["roofline tok/s"] == "-"
+    assert all(r["HF tok/s"] != "-" for r in rows)
+
+
+def test_bench_offline(outputs: dict[str, subprocess.CompletedProcess]) -> None:
+    rows = check_run(outputs, "bench_offline", (
+        "shape", "requests", "input tokens", "output tokens", "total s", "output tok/s"))
+    assert len(rows) == 1 and rows[0]["shape"] == "tiny-qwen3" and rows[0]["requests"] == "4"
+    expected = anchor_workload(SHAPES["tiny-qwen3"]["vocab_size"], 4, 4, 12)
+    assert int(rows[0]["output tokens"]) == expected.output_tokens
+
+
+def test_bench_mechanisms(outputs: dict[str, subprocess.CompletedProcess]) -> None:
+    rows = check_run(outputs, "bench_mechanisms", (
+        "mechanism", "setting", "workload", "requests", "total s", "output tok/s",
+        "mean TTFT ms", "prompt cache hits", "speed-up"), may_be_zero=("prompt cache hits",))
+    assert [(r["mechanism"], r["setting"]) for r in rows] == [
+        ("CUDA graphs", "off"), ("CUDA graphs", "on"), ("overlap", "off"), ("overlap", "on"),
+        ("radix cache", "off"), ("radix cache", "on")]
+    assert rows[0]["speed-up"] == "1.00x"
+    assert rows[4]["prompt cache hits"] == "0.0%"  # the naive cache never shares
+
+
+# ----- the shared pieces, in-process ----------------------------------------------------------
+
+
+def test_anchor_workload_is_reproducible_and_in_range() -> None:
+    a, b = anchor_workload(1000, 256), anchor_workload(1000, 256)
+    assert a.prompts == b.prompts and a.params == b.params and len(a) == 256
+    assert all(100 <= len(p) <= 1024 for p in a.prompts)
+    assert all(100 <= p.max_tokens <= 1024 and p.temperature == 0.6 and p.ignore_eos
+               for p in a.params)
+    assert all(0 <= t < 1000 for p in a.prompts for t in p)
+    assert anchor_workload(1000, 8, seed=1).prompts != a.prompts[:8]
+
+
+def test_shared_prefix_workload() -> None:
+    w = shared_prefix_workload(1000, num_requests=5, prefix_len=2000, suffix_len=8)
+    assert len(w) == 5 and all(len(p) == 2008 for p in w.prompts)
+    assert all(p[:2000] == w.prompts[0][:2000] for p in w.prompts)
+    assert len({tuple(p[2000:]) for p in w.prompts}) == 5
+
+
+def test_real_shapes_parse_and_have_the_documented_sizes() -> None:
+    llama = ModelConfig.from_dict(shape_config("llama-3.1-8b"))
+    assert (llama.hidden_size, llama.num_layers, llama.num_kv_heads, llama.vocab_size) == \
+        (4096, 32, 8, 128256) and llama.rope.rope_type == "llama3"
+    qwen = ModelConfig.from_dict(shape_config("qwen3-0.6b"))
+    assert qwen.tie_word_embeddings and qwen.head_dim == 128 and qwen.qk_norm
+    moe = ModelConfig.from_dict(shape_config("qwen3-30b-a3b", num_layers=4))
+    assert (moe.num_layers, moe.num_experts, moe.num_experts_per_tok) == (4, 128, 8)
+
+
+def test_weight_bytes_of_llama_8b() -> None:
+    config = ModelConfig.from_dict(shape_config("llama-3.1-8b"))
+    weights = weight_bytes(config, torch.bfloat16)
+    assert weights.total == 2 * 8_030_261_248  # Llama-3.1-8B's parameter count, bf16
+    assert weights.per_decode_step(1) == weights.total - 2 * 128256 * 4096
+    half = weight_bytes(config, torch.bfloat16, tp_size=2)
+    assert half.per_decode_step(1) < 0.51 * weights.per_decode_step(1)
+
+
+def test_moe_weight_bytes_scale_with_routed_experts() -> None:
+    weights = weight_bytes(ModelConfig.from_dict(shape_config("qwen3-30b-a3b")), torch.bfloat16)
+    assert weights.experts > 0.9 * weights.total
+    one, many = weights.per_decode_step(1), weights.per_decode_step(256)
+    assert one < 0.15 * weights.total and many > 0.99 * (weights.total - weights.embedding)
+
+
+def test_report_helpers() -> None:
+    assert human_bytes(16.06e9) == "16.06 GB" and human_bytes(4.8e12) == "4.8 TB"
+    assert markdown_table(("a", "b"), [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
