@@ -43,7 +43,8 @@ def _decode_split_kernel(
     row = tl.load(rows_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
     # Equal slices rounded up to whole blocks, so only the last slice has a ragged end.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # (Plain integer arithmetic: tl.cdiv is a jit function, costly in the interpreter.)
+    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -59,7 +60,7 @@ def _decode_split_kernel(
     page_row = page_table_ptr + row * stride_pt_row
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every block holds at least one valid key (pos = n0 < end), so the running max is finite.
     for n0 in range(start, end, BLOCK_N):
@@ -75,15 +76,15 @@ def _decode_split_kernel(
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    nonempty = l > 0
-    out = acc / tl.where(nonempty, l, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    nonempty = denom > 0
+    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, denom, 1.0)), float("-inf"))
     po = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head \
         + split * stride_po_split + d[None, :]
     tl.store(po, out, mask=g_mask[:, None] & d_mask[None, :])
@@ -130,6 +131,13 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
     return max(1, min(max_splits, triton.next_power_of_2(-(-target_programs // programs))))
 
 
+def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """Tokens per loop step: 32 for 16-bit heads up to 128 wide, else 16 (fp32 or wider heads
+    would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
+    element)."""
+    return 32 if dtype != torch.float32 and head_dim <= 128 else 16
+
+
 def decode_workspace(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat fp32 buffers for the partial outputs and log-sum-exps of `decode_attention`, big
@@ -154,7 +162,7 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q [bs, heads, head_dim] attends to its request's first seq_lens[i] tokens -> [bs, heads,
     head_dim] (in q's dtype, or written into `out`).
@@ -172,6 +180,7 @@ def decode_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert rows.shape == (bs,) and seq_lens.shape == (bs,)
+    block_n = block_n or decode_block_n(head_dim, k_cache.dtype)
     assert num_splits >= 1 and block_n >= MIN_DOT and block_n & (block_n - 1) == 0
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -199,13 +208,13 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(bs, num_heads)](
         partial_o, partial_lse, out,
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=2,
     )
     return out

@@ -57,7 +57,7 @@ def _extend_kernel(
     kv_end = tl.where(block * BLOCK_M < ext_len, kv_end, 0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Key 0 is visible to every query, so after the first block each running max is finite.
     for n0 in range(0, kv_end, BLOCK_N):
@@ -73,21 +73,25 @@ def _extend_kernel(
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def default_blocks(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64 x 64 keeps a bf16 K and V tile of head_dim <= 128 well within
-    shared memory with pipelining; larger heads take 32 x 32."""
-    return (64, 64) if head_dim <= 128 else (32, 32)
+def extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) that compile for sm_90 without register spills (the
+    gathered K/V tiles carry one 64-bit address per element, so tiles stay modest)."""
+    if dtype == torch.float32:  # "ieee" dots run on FMA units and need more registers
+        return (32, 16, 4) if head_dim <= 128 else (16, 16, 4)
+    if head_dim <= 64:
+        return 64, 32, 4
+    return (64, 32, 8) if head_dim <= 128 else (32, 16, 8)
 
 
 def extend_attention(
@@ -117,7 +121,7 @@ def extend_attention(
     rows, seq_lens, q_starts, extend_lens: [bs] device integer tensors; `max_extend_len` (host)
     sizes the grid.
     """
-    tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     bs = rows.shape[0]
     assert k_cache.shape[2] == head_dim and v_cache.shape == k_cache.shape, \
@@ -125,7 +129,7 @@ def extend_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert seq_lens.shape == q_starts.shape == extend_lens.shape == (bs,)
-    default_m, default_n = default_blocks(head_dim)
+    default_m, default_n, num_warps = extend_config(head_dim, k_cache.dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     for block in (block_m, block_n):
         assert block >= MIN_DOT and block & (block - 1) == 0, f"block {block}: a power of 2 >= 16"
@@ -145,6 +149,6 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
     )
     return out

@@ -7,7 +7,7 @@ import torch
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.kvcache.pool import PagedKVPool
 
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def create_attention_backend(
@@ -20,8 +20,12 @@ def create_attention_backend(
         from minisgl_backend.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, num_heads, head_dim)
+    if name == "triton":
+        from minisgl_backend.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(kv_pool, num_heads, head_dim)
     raise ValueError(f"attention_backend must be one of auto, {', '.join(ATTENTION_BACKENDS)}; "
                      f"got {name!r}")
 
 
-__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "create_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "create_attention_backend"]
