@@ -74,7 +74,8 @@ class LLM:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
+            raise ValueError(
+                f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
         model_dir = Path(model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model: {str(model)!r} is not a HF model folder (no config.json)")

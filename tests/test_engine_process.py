@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.scheduler.engine_client import EngineClient
@@ -21,16 +23,21 @@ def _prefill() -> StepMessage:
                        admit_seed=[0])
 
 
-def test_decode_steps_sent_before_reading_tokens_equal_hf(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_steps_sent_before_reading_tokens_equal_hf(tiny_models: dict[str, Path],
+                                                          overlap: bool) -> None:
     """Decode inputs come from the engine's token pool, so the scheduler can send step N+1
-    before it has read step N's token (what overlap scheduling needs)."""
+    before it has read step N's token (what overlap scheduling needs). With overlap on, each
+    step is answered once the next one (or a FLUSH) has arrived."""
     model = tiny_models["qwen3"]
-    client = EngineClient(EngineConfig(model_dir=str(model), device="cpu",
+    client = EngineClient(EngineConfig(model_dir=str(model), device="cpu", overlap=overlap,
                                        max_running_requests=4, max_total_tokens=64))
     try:
         client.send(_prefill().to_bytes())
         for _ in range(STEPS - 1):  # every decode step queued before any token is read
             client.send(StepMessage(is_prefill=False, rows=[0]).to_bytes())
+        if overlap:
+            client.flush()
         tokens = [int(client.receive_tokens(timeout=60)[0]) for _ in range(STEPS)]
     finally:
         client.shutdown()

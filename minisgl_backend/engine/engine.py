@@ -17,11 +17,34 @@ from minisgl_backend.attention.torch_ref import token_slots
 from minisgl_backend.core import Batch, Context, set_global_ctx
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
+from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.sampler import SamplingTensors, sample
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.models import ModelConfig, create_model
 
 MAX_CPU_DEFAULT_TOKENS = 1 << 20
+
+
+class StepHandle:
+    """A launched step. On a GPU its sampled ids are copied to pinned host memory without
+    blocking; `wait()` blocks until they are there. The handle keeps the step's inputs alive."""
+
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None, batch: Batch) -> None:
+        self.batch = batch
+        if host is None:  # CPU: the step already ran
+            self._tokens, self._event = tokens.to(torch.int32).numpy(), None
+            return
+        host = host[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens = host
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            self._tokens, self._event = self._tokens.numpy().copy(), None
+        return self._tokens
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -46,7 +69,8 @@ class Engine:
         self.model_config = ModelConfig.from_folder(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
         free_before = self._free_memory()
-        self.model = create_model(config.model_dir, self.model_config, self.device, self.dtype)
+        self.model = create_model(config.model_dir, self.model_config, self.device, self.dtype,
+                                  load_format=config.load_format)
         self.page_size = config.page_size
         self.num_pages = self._decide_num_pages(free_before)
         mc = self.model_config
@@ -57,10 +81,23 @@ class Engine:
                                    mc.head_dim, self.dtype, self.device)
         self._init_tables(config.max_running_requests + 1)
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_pool, num_local_heads, mc.head_dim, self.device
+            config.attention_backend, self.kv_pool, num_local_heads, mc.head_dim, self.device,
+            max_pages_per_request=self.page_table.shape[1],
         )
         self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend)
         set_global_ctx(self.ctx)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self._use_cuda_graphs():
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.ctx, self.attn_backend,
+                min(config.cuda_graph_max_bs, config.max_running_requests),
+                dummy_row=self.page_table.shape[0] - 1, dummy_slot=self.kv_pool.dummy_slot,
+                device=self.device)
+
+    def _use_cuda_graphs(self) -> bool:
+        # The torch MoE path reads expert ids on the host: it cannot be captured.
+        return (self.device.type == "cuda" and self.config.cuda_graph_max_bs > 0
+                and self.attn_backend.supports_cuda_graph and self.model_config.num_experts == 0)
 
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""
@@ -78,9 +115,14 @@ class Engine:
         self.top_p = torch.ones(num_rows, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(num_rows, dtype=torch.int64, device=dev)
         self.row_greedy = np.ones(num_rows, dtype=bool)
+        self.row_filtered = np.zeros(num_rows, dtype=bool)  # top-k / top-p set (host copy)
         # min_tokens: stop ids of a row are masked while it samples positions below row_min_len.
         self.row_min_len = np.zeros(num_rows, dtype=np.int64)
         self.row_stop_ids: dict[int, torch.Tensor] = {}
+        self.num_launched = 0
+        if self.device.type == "cuda":
+            self._host_tokens = [torch.empty(num_rows, dtype=torch.int32, pin_memory=True)
+                                 for _ in range(2)]
 
     def _free_memory(self) -> int:
         if self.device.type != "cuda":
@@ -108,8 +150,9 @@ class Engine:
         return max(1, tokens // self.page_size)
 
     @torch.inference_mode()
-    def step(self, msg: dict[str, np.ndarray]) -> torch.Tensor:
-        """Apply one step message, run the forward and sampling; return the sampled ids (cpu)."""
+    def launch(self, msg: dict[str, np.ndarray]) -> StepHandle:
+        """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
+        the next message can be applied while this step runs)."""
         rows = msg["rows"].astype(np.int64)
         if "admit_rows" in msg:
             self._admit(msg)
@@ -118,15 +161,25 @@ class Engine:
         self._map_new_pages(msg["page_rows"].astype(np.int64), msg["page_counts"].astype(np.int64),
                             msg["new_pages"])
         batch = self._make_batch(rows, msg)
-        self.attn_backend.prepare(batch, self.page_table)
-        with self.ctx.forward_batch(batch):
-            logits = self.model()
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits = self.graph_runner.run(batch, self.page_table)
+        else:
+            self.attn_backend.prepare(batch, self.page_table)
+            with self.ctx.forward_batch(batch):
+                logits = self.model()
         self._mask_early_stops(logits, rows, batch.seq_lens)
         # The sampled token's position: it seeds sampling and is where the token pool keeps it.
         next_positions = torch.tensor(batch.seq_lens, device=self.device)
         next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
-        self.token_pool[batch.rows, next_positions] = next_tokens.to(torch.int32)
-        return next_tokens.to(device="cpu", dtype=torch.int32)
+        next_tokens = next_tokens.to(torch.int32)
+        self.token_pool[batch.rows, next_positions] = next_tokens
+        host = None
+        if self.device.type == "cuda":
+            # Two pinned buffers: step N+1 is launched before step N's ids are read.
+            host = self._host_tokens[self.num_launched % 2]
+        self.num_launched += 1
+        return StepHandle(next_tokens, host, batch)
+
 
     def _admit(self, msg: dict[str, np.ndarray]) -> None:
         rows = msg["admit_rows"].astype(np.int64)
@@ -139,6 +192,7 @@ class Engine:
         self.top_p[idx] = torch.from_numpy(msg["admit_top_p"].copy()).to(self.device)
         self.seed[idx] = torch.from_numpy(msg["admit_seed"].copy()).to(self.device)
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
+        self.row_filtered[rows] = (top_k > 0) | (msg["admit_top_p"] < 1.0)
         self.row_min_len[rows] = 0
 
     def _set_min_lens(self, msg: dict[str, np.ndarray]) -> None:
@@ -196,4 +250,5 @@ class Engine:
             temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
             seed=self.seed[idx], position=positions,
             all_greedy=bool(self.row_greedy[rows].all()),
+            any_filtered=bool((self.row_filtered[rows] & ~self.row_greedy[rows]).any()),
         )

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Message kinds, scheduler -> engine.
-STEP, SHUTDOWN = 1, 2
+# Message kinds, scheduler -> engine. With overlap on, the engine answers a STEP with the tokens
+# of the step before it (the new one is already running); FLUSH asks for the last step's tokens.
+STEP, SHUTDOWN, FLUSH = 1, 2, 3
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
 

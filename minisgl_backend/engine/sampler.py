@@ -27,6 +27,7 @@ class SamplingTensors:
     seed: torch.Tensor  # [bs] int64 (a 64-bit unsigned seed stored as its int64 bit pattern)
     position: torch.Tensor  # [bs] int64: index in its sequence of the token being sampled
     all_greedy: bool  # fast path: every row greedy -> pure argmax, no randomness
+    any_filtered: bool = True  # some row may use top-k / top-p (False skips the vocab sort)
 
 
 def seed_to_int64(seed: int) -> int:
@@ -51,6 +52,7 @@ def make_sampling_tensors(
     if not (len(top_ks) == len(top_ps) == len(seeds) == len(positions) == n):
         raise ValueError("all sampling parameter lists must have the same length")
     all_greedy = all(t <= 0.0 or k == 1 for t, k in zip(temperatures, top_ks))
+    any_filtered = any(k > 0 or p < 1.0 for k, p in zip(top_ks, top_ps))
     return SamplingTensors(
         temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
         top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
@@ -58,6 +60,7 @@ def make_sampling_tensors(
         seed=torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
         position=torch.tensor(positions, dtype=torch.int64, device=device),
         all_greedy=all_greedy,
+        any_filtered=any_filtered,
     )
 
 
@@ -99,6 +102,22 @@ def _greedy_rows(params: SamplingTensors) -> torch.Tensor:
     return (params.temperature <= 0) | (params.top_k == 1)
 
 
+def _filtered_rows(params: SamplingTensors, vocab: int) -> torch.Tensor:
+    """Rows whose top-k or top-p actually removes tokens (a property of the request alone, so a
+    request is sampled the same way whatever its batch)."""
+    top_k = params.top_k
+    return ((top_k > 0) & (top_k < vocab)) | (params.top_p < 1.0)
+
+
+def _sample_unsorted(scaled_logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in token-id order: exact sampling without sorting the vocabulary."""
+    probs = torch.softmax(scaled_logits, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniform * cdf[:, -1].to(torch.float64)).to(torch.float32)
+    ids = torch.searchsorted(cdf, target.unsqueeze(1).contiguous(), right=True).squeeze(1)
+    return ids.clamp_(max=scaled_logits.shape[1] - 1)
+
+
 def _sample_sorted(
     sorted_logits: torch.Tensor, params: SamplingTensors, uniform: torch.Tensor
 ) -> torch.Tensor:
@@ -134,20 +153,26 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
 
     Greedy rows (temperature == 0 or top_k == 1) get exactly `torch.argmax`. Other rows sample
     from softmax(logits / temperature) restricted to the top-k logits, then to the top-p
-    nucleus of the renormalized distribution, using `seeded_uniform(seed, position)`.
+    nucleus of the renormalized distribution, using `seeded_uniform(seed, position)`; rows
+    without top-k / top-p need no sort (inverse CDF in token-id order).
     """
     logits = logits.float()
     greedy_ids = torch.argmax(logits, dim=-1)
     if params.all_greedy:
         return greedy_ids
 
-    greedy = _greedy_rows(params).to(logits.device)
-    temperature = params.temperature.to(device=logits.device, dtype=torch.float32)
+    device = logits.device
+    greedy = _greedy_rows(params).to(device)
+    temperature = params.temperature.to(device=device, dtype=torch.float32)
     temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temperature.unsqueeze(1)
-    # Stable sort: ties are ordered by token id, so the result never depends on the kernel.
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    uniform = seeded_uniform(params.seed.to(logits.device), params.position.to(logits.device))
-    rank = _sample_sorted(sorted_logits, params, uniform)
-    sampled_ids = torch.gather(sorted_ids, 1, rank).squeeze(1)
+    uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
+    sampled_ids = _sample_unsorted(scaled, uniform)
+    if params.any_filtered:
+        # Stable sort: ties are ordered by token id, so the result never depends on the kernel.
+        sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        rank = _sample_sorted(sorted_logits, params, uniform)
+        filtered_ids = torch.gather(sorted_ids, 1, rank).squeeze(1)
+        filtered = _filtered_rows(params, logits.shape[1]).to(device)
+        sampled_ids = torch.where(filtered, filtered_ids, sampled_ids)
     return torch.where(greedy, greedy_ids, sampled_ids)

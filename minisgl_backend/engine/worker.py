@@ -7,11 +7,15 @@ import os
 import threading
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.config import EngineConfig
+
+if TYPE_CHECKING:  # the engine (torch, models) is imported in the engine process only
+    from minisgl_backend.engine.engine import Engine, StepHandle
 
 
 def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_file: str) -> None:
@@ -31,13 +35,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "num_pages": np.asarray([engine.num_pages], dtype=np.int64),
             "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
         }))
-        while True:
-            kind, arrays = protocol.decode(conn.recv_bytes())
-            if kind == protocol.SHUTDOWN:
-                break
-            tokens = engine.step(arrays)
-            if rank == 0:
-                conn.send_bytes(protocol.encode(protocol.TOKENS, {"tokens": tokens.numpy()}))
+        _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the scheduler went away: exit quietly
     except BaseException:
@@ -51,6 +49,35 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     finally:
         destroy_process_group()
         conn.close()
+
+
+def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -> None:
+    """Run steps in message order. Without overlap each STEP is answered with its own tokens.
+    With overlap a STEP is launched first and then answered with the previous step's tokens,
+    so the device computes step N while the scheduler handles step N-1's tokens."""
+    pending: StepHandle | None = None
+
+    def answer(handle: StepHandle) -> None:
+        tokens = handle.wait()
+        if reply:
+            conn.send_bytes(protocol.encode(protocol.TOKENS, {"tokens": tokens}))
+
+    while True:
+        kind, arrays = protocol.decode(conn.recv_bytes())
+        if kind == protocol.SHUTDOWN:
+            return
+        if kind == protocol.FLUSH:
+            if pending is not None:
+                answer(pending)
+                pending = None
+            continue
+        handle = engine.launch(arrays)
+        if not overlap:
+            answer(handle)
+            continue
+        if pending is not None:
+            answer(pending)
+        pending = handle
 
 
 def _exit_with_parent() -> None:

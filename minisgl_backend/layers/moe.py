@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.distributed import all_reduce, get_tp_info
+from minisgl_backend.layers.fast_ops import silu_and_mul
 from minisgl_backend.layers.linear import ReplicatedLinear, divide
 
 
@@ -33,8 +34,8 @@ def experts_forward_torch(
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
         token_idx, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[token_idx, slot, None]
+        y = F.linear(silu_and_mul(F.linear(x[token_idx], w13[expert])), w2[expert])
+        y = y * weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_backend.layers.fast_ops import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -13,15 +15,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(norm(x + residual), x + residual)`; the first call passes `residual=None`."""
-        if residual is not None:
-            x = x + residual
-        return self.forward(x), x
+        """Return `(norm(x + residual), x + residual)`; the first call passes `residual=None`.
+        The inputs' memory may be reused for the outputs."""
+        if residual is None:
+            return self.forward(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)

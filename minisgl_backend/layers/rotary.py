@@ -1,4 +1,5 @@
-"""Rotary position embedding (default and llama3 frequency scaling), in HF's arithmetic."""
+"""Rotary position embedding (default and llama3 frequency scaling), in HF's arithmetic; on a
+GPU in half precision, FlashInfer's in-place kernel over a cos/sin table."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 import torch
 
+from minisgl_backend.layers.fast_ops import flashinfer_module, use_flashinfer
 from minisgl_backend.models.config import RopeConfig
 
 
@@ -31,20 +33,48 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [num_tokens, 1, head_dim] for the given positions."""
+class RotaryEmbedding:
+    """Rotary position embedding ("rotate half", as HF Llama/Qwen) for q and k."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        self.inv_freq = inv_freq  # [head_dim // 2] float32
+        self.max_positions = max_positions
+        self._cos_sin_cache: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> None:
+        self.inv_freq = self.inv_freq.to(device)
+        self._cos_sin_cache = None
+
+    def _cache(self) -> torch.Tensor:
+        """[max_positions, head_dim] float32: cos of every frequency, then sin (FlashInfer's)."""
+        if self._cos_sin_cache is None:
+            positions = torch.arange(self.max_positions, device=self.inv_freq.device).float()
+            freqs = positions[:, None] * self.inv_freq[None, :]
+            self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return self._cos_sin_cache
+
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, dim] and k [tokens, kv_heads, dim], rotated (maybe in place)."""
+        head_dim = q.shape[-1]
+        if use_flashinfer(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim,
+                self._cache(), is_neox=True)
+            return q, k
+        cos, sin = _cos_sin(positions, self.inv_freq, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, 1, head_dim], computed in float32 then cast (HF's arithmetic)."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [num_tokens, heads, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin

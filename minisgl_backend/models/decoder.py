@@ -7,11 +7,11 @@ Parameter names follow the HF checkpoints, with q/k/v merged into `qkv_proj` and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.core import get_global_ctx
 from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_backend.layers.fast_ops import silu_and_mul
 from minisgl_backend.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -19,7 +19,7 @@ from minisgl_backend.layers.linear import (
 )
 from minisgl_backend.layers.moe import MoEMLP
 from minisgl_backend.layers.norm import RMSNorm
-from minisgl_backend.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from minisgl_backend.layers.rotary import RotaryEmbedding, rope_inv_freq
 from minisgl_backend.models.config import ModelConfig
 
 
@@ -39,14 +39,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: RotaryEmbedding) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         v = v.view(v.shape[0], -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope.apply(positions, q, k)
         ctx = get_global_ctx()
         o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
         return self.o_proj(o)
@@ -61,8 +62,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -81,10 +81,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.forward_with_residual(x, residual)
-        x = self.self_attn(x, cos, sin)
+        x = self.self_attn(x, positions, rope)
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
 
@@ -107,18 +108,18 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         # Plain attribute, not a buffer: it is computed, never loaded (see `move_rope_to`).
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope)
+        self.rope = RotaryEmbedding(rope_inv_freq(config.head_dim, config.rope),
+                                    config.max_position_embeddings)
 
     def move_rope_to(self, device: torch.device) -> None:
-        self.inv_freq = self.inv_freq.to(device)
+        self.rope.to(device)
 
     def forward(self) -> torch.Tensor:
         batch = get_global_ctx().batch
         x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin)
+            x, residual = layer(x, residual, batch.positions, self.rope)
         if batch.is_prefill:  # only the last token of each request is sampled
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x, residual = x[last], residual[last]

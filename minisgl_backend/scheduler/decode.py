@@ -20,7 +20,11 @@ class DecodeManager:
         self.running.pop(req.uid, None)
 
     def schedule(self) -> list[Req]:
-        batch = list(self.running.values())
+        """Every running request that may still sample a token. With overlap, a request whose
+        last allowed token is being sampled by the step in flight is left out (not yet removed
+        only because that step's tokens were not read)."""
+        batch = [req for req in self.running.values()
+                 if req.cached_len + 1 - req.prompt_len < req.sampling_params.max_tokens]
         for req in batch:
             req.device_len = req.cached_len + 1
         return batch

@@ -66,6 +66,10 @@ class EngineClient:
         except OSError as exc:
             self._fail(f"cannot reach the engine process: {exc}")
 
+    def flush(self) -> None:
+        """With overlap on: ask for the tokens of the last step sent (no new step follows)."""
+        self.send(protocol.encode(protocol.FLUSH, {}))
+
     def receive_tokens(self, timeout: float | None = None) -> np.ndarray:
         """The tokens sampled by the oldest step not yet received (from rank 0)."""
         return self._receive(self._conns[0], protocol.TOKENS, timeout)["tokens"]

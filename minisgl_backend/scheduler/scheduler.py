@@ -3,6 +3,12 @@
 Each loop iteration takes new requests and aborts, picks one batch (prefill first, with chunked
 prefill; otherwise every running request decodes one token), allocates its pages, sends the
 engine a compact step message, and turns the sampled tokens into outputs.
+
+With overlap on, the tokens handled in an iteration are those of the step sent in the previous
+iteration: step N+1 is built and sent before step N's tokens are read, so the engine computes
+while the scheduler works. A request that finished in step N (EOS, stop string) may then run
+one extra step, whose token is dropped; its pages and row are given back only when step N's
+tokens are read, and any later step that reuses them runs after step N+1 on the device.
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ class SchedulerStats:
 
 
 @dataclass
+class _SentStep:
+    """A step sent to the engine whose tokens were not read yet."""
+
+    batch: list[Req]
+    counts: list[bool]  # per request: does its sampled token count (see `complete_step`)
+
+
+@dataclass
 class _Submit:
     req: Req
     callback: OutputCallback
@@ -94,6 +108,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
                                       config.engine.max_running_requests)
         self.decode = DecodeManager()
+        self.overlap = config.engine.overlap
+        self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests admitted at once so far
@@ -160,12 +176,15 @@ class Scheduler:
 
     # ----- scheduler thread -----------------------------------------------------------------
 
+    @property
+    def _busy(self) -> bool:
+        return self.prefill.has_work or self.decode.has_work or self.in_flight is not None
+
     def _run(self) -> None:
         while True:
-            busy = self.prefill.has_work or self.decode.has_work
-            if not self._drain_inbox(block=not busy):
+            if not self._drain_inbox(block=not self._busy):
                 break
-            if self._dead is None and (self.prefill.has_work or self.decode.has_work):
+            if self._dead is None and self._busy:
                 try:
                     self._step()
                 except EngineDeadError as exc:
@@ -222,19 +241,36 @@ class Scheduler:
         tracker.fail("abort", "the request was cancelled")
 
     def _step(self) -> None:
+        sent = self._send_next_step()
+        if not self.overlap:
+            self._read_tokens(sent)
+            return
+        if self.in_flight is not None:
+            if sent is None:
+                self.engine.flush()
+            self._read_tokens(self.in_flight)
+        self.in_flight = sent
+
+    def _send_next_step(self) -> _SentStep | None:
+        """Schedule, send and account one step (its computed tokens become cached)."""
         batch, admitted = self.prefill.schedule(list(self.decode.running.values()))
         is_prefill = bool(batch)
         if not is_prefill:
             batch = self.decode.schedule()
             if not batch:
-                return  # nothing fits yet (cannot happen while requests run; kept safe)
+                return None  # overlap: every running request may be done; else cannot happen
         rows_in_use = self.rows.num_rows - self.rows.num_free
         self.peak_running = max(self.peak_running, rows_in_use)
         message = self._step_message(batch, admitted, is_prefill)
         self.engine.send(message.to_bytes())
-        tokens = self.engine.receive_tokens(self.config.step_timeout).tolist()
         self.num_steps += 1
-        self._process(batch, tokens)
+        return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch])
+
+    def _read_tokens(self, sent: _SentStep | None) -> None:
+        if sent is None:
+            return
+        tokens = self.engine.receive_tokens(self.config.step_timeout).tolist()
+        self._process(sent, tokens)
         if self.config.debug_checks:
             self.cache.check_accounting(self._running())
 
@@ -282,11 +318,12 @@ class Scheduler:
                 msg.min_stop_ids.extend(stop_ids)
         return msg
 
-    def _process(self, batch: list[Req], tokens: list[int]) -> None:
-        for req, token in zip(batch, tokens):
-            if not complete_step(req, self.cache, self.decode):
-                continue
-            if self.trackers[req.uid].add_token(token):
+    def _process(self, sent: _SentStep, tokens: list[int]) -> None:
+        for req, counts, token in zip(sent.batch, sent.counts, tokens):
+            tracker = self.trackers.get(req.uid)
+            if not counts or tracker is None or req.table_idx < 0:
+                continue  # a prompt chunk, or a request that ended after this step was sent
+            if tracker.add_token(token):
                 self._finish(req)
 
     def _finish(self, req: Req) -> None:
@@ -308,6 +345,7 @@ class Scheduler:
         self.prefill.waiting.clear()
         self.prefill.chunked = None
         self.decode.running.clear()
+        self.in_flight = None
 
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "RequestOutput", "pages_for"]

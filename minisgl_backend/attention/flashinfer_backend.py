@@ -1,0 +1,152 @@
+"""FlashInfer attention over the paged pool: paged prefill (with cached prefix) and decode.
+
+The pool's per-layer K and V are `[pages + 1, page_size, kv_heads, head_dim]` ("NHD"), which
+FlashInfer reads directly. Each step is planned once (`prepare`), then every layer runs the
+planned kernels. Decode steps can replay CUDA graphs: one decode wrapper per captured batch
+size, all sharing the same index buffers, re-planned in place before each replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minisgl_backend.attention.base import AttentionBackend
+from minisgl_backend.core import Batch
+from minisgl_backend.kvcache.pool import PagedKVPool
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def paged_kv_layout(seq_lens: list[int], page_size: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request: pages used, the CSR indptr over them and the fill of the last page."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    pages = (lens + page_size - 1) // page_size
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    last_page_len = (lens - (pages - 1) * page_size).astype(np.int32)
+    return pages, indptr, last_page_len
+
+
+def gather_page_indices(page_table: torch.Tensor, rows: torch.Tensor, pages: np.ndarray,
+                        indptr: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The page ids of each request's first `pages[i]` pages, concatenated (no host sync)."""
+    total = int(indptr[-1])
+    device = page_table.device
+    counts = torch.from_numpy(pages).to(device, non_blocking=True)
+    row_of = torch.repeat_interleave(rows, counts, output_size=total)
+    starts = torch.from_numpy(indptr[:-1].astype(np.int64)).to(device, non_blocking=True)
+    col = torch.arange(total, device=device) - torch.repeat_interleave(starts, counts,
+                                                                       output_size=total)
+    indices = page_table[row_of, col]
+    if out is None:
+        return indices
+    out[:total].copy_(indices)
+    return out[:total]
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, kv_pool: PagedKVPool, num_heads: int, head_dim: int,
+                 device: torch.device, max_pages_per_request: int,
+                 prefill_backend: str = "auto") -> None:
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_pool.buffer.shape[-2]
+        self.head_dim = head_dim
+        self.dtype = kv_pool.buffer.dtype
+        self.device = device
+        self.max_pages_per_request = max_pages_per_request
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Tensor-core decode pays off once several query heads share a KV head.
+        self.decode_tensor_cores = num_heads // self.num_kv_heads >= 4
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+        self.graph_wrappers: dict[int, object] = {}
+        # plan() stages its schedule in pinned host memory and copies it to the device
+        # asynchronously: the next plan must not overwrite it before that copy ran.
+        self._plan_done: torch.cuda.Event | None = None
+
+    # ----- per step ---------------------------------------------------------------------------
+
+    def prepare(self, batch: Batch, page_table: torch.Tensor) -> None:
+        pages, indptr, last_page_len = paged_kv_layout(batch.seq_lens, self.kv_pool.page_size)
+        indices = gather_page_indices(page_table, batch.rows, pages, indptr)
+        self._wait_previous_plan()
+        if batch.is_decode:
+            self.decode_wrapper.plan(
+                torch.from_numpy(indptr), indices, torch.from_numpy(last_page_len),
+                self.num_heads, self.num_kv_heads, self.head_dim, self.kv_pool.page_size,
+                q_data_type=self.dtype, kv_data_type=self.dtype)
+            batch.attn_metadata = self.decode_wrapper
+        else:
+            qo_indptr = np.zeros(batch.size + 1, dtype=np.int32)
+            np.cumsum(batch.extend_lens, out=qo_indptr[1:])
+            self.prefill_wrapper.plan(
+                torch.from_numpy(qo_indptr), torch.from_numpy(indptr), indices,
+                torch.from_numpy(last_page_len), self.num_heads, self.num_kv_heads,
+                self.head_dim, self.kv_pool.page_size, causal=True,
+                q_data_type=self.dtype, kv_data_type=self.dtype)
+            batch.attn_metadata = self.prefill_wrapper
+        self._record_plan()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        self.kv_pool.store(layer_id, batch.out_slots, k, v)
+        kv = (self.kv_pool.buffer[0, layer_id], self.kv_pool.buffer[1, layer_id])
+        out = batch.attn_metadata.run(q.contiguous(), kv)
+        return out.reshape(q.shape[0], -1)
+
+    def _wait_previous_plan(self) -> None:
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+
+    def _record_plan(self) -> None:
+        if self._plan_done is None:
+            self._plan_done = torch.cuda.Event()
+        self._plan_done.record()
+
+    # ----- CUDA graphs (decode) ---------------------------------------------------------------
+
+    def init_cuda_graph(self, max_bs: int) -> None:
+        dev = self.device
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.graph_indices = torch.zeros(max_bs * self.max_pages_per_request, dtype=torch.int32,
+                                         device=dev)
+        self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.size
+        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=self.graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self.graph_indices,
+            paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
+        self.graph_wrappers[bs] = wrapper
+        self._plan_graph(wrapper, batch, None)
+
+    def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:
+        self._plan_graph(self.graph_wrappers[batch.size], batch, page_table)
+
+    def _plan_graph(self, wrapper: object, batch: Batch, page_table: torch.Tensor | None) -> None:
+        pages, indptr, last_page_len = paged_kv_layout(batch.seq_lens, self.kv_pool.page_size)
+        if page_table is None:  # capture: every row is the dummy row, one dummy page each
+            indices = torch.full((int(indptr[-1]),), self.kv_pool.dummy_page, dtype=torch.int32,
+                                 device=self.device)
+        else:
+            indices = gather_page_indices(page_table, batch.rows, pages, indptr)
+        self._wait_previous_plan()
+        wrapper.plan(torch.from_numpy(indptr), indices, torch.from_numpy(last_page_len),
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.kv_pool.page_size,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._record_plan()
+        batch.attn_metadata = wrapper

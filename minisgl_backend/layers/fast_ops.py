@@ -1,0 +1,57 @@
+"""Fused element-wise operations: FlashInfer kernels on a GPU in half precision, torch otherwise.
+
+The torch versions are the reference arithmetic (HF transformers'); float32 and CPU always use
+them, so the float32 oracle tests compare like with like. Each FlashInfer kernel replaces
+several small torch kernels, which matters most inside decode CUDA graphs at small batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+@lru_cache(maxsize=None)
+def flashinfer_module() -> ModuleType | None:
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    import flashinfer
+
+    return flashinfer
+
+
+def use_flashinfer(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in HALF_TYPES and flashinfer_module() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim, for x [tokens, size] or [tokens, heads, size]."""
+    if use_flashinfer(x):
+        return flashinfer_module().norm.rmsnorm(x.contiguous(), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)`; may reuse the memory of both inputs."""
+    if use_flashinfer(x) and x.is_contiguous() and residual.is_contiguous():
+        flashinfer_module().norm.fused_add_rmsnorm(x, residual, weight, eps)  # in place
+        return x, residual
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim."""
+    if use_flashinfer(x):
+        return flashinfer_module().activation.silu_and_mul(x.contiguous())
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
