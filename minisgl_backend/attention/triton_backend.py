@@ -142,8 +142,9 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:
-        """Copy this step's rows and lengths into the static buffers; the padding entries past
-        batch.size get the dummy row and length 0 (their output is zeros)."""
+        """Copy this step's rows and lengths into the static buffers, on the device only (no
+        host copy that could wait for the GPU). `batch` is the real batch or one padded to the
+        graph's size; entries past batch.size get the dummy row and length 0 (output zeros)."""
         graph = self._graph
         assert graph is not None and graph.page_table is not None, "no CUDA graph was captured"
         if not _same_tensor(page_table, graph.page_table):
@@ -179,9 +180,11 @@ class _GraphBuffers:
         assert bs <= self.max_bs, f"batch of {bs} > init_cuda_graph's max_bs {self.max_bs}"
         self.rows[:bs].copy_(batch.rows)
         self.rows[bs:].fill_(dummy_row)
-        lens = torch.zeros(self.max_bs, dtype=torch.int32)
-        lens[:bs] = torch.tensor(batch.seq_lens, dtype=torch.int32)
-        self.seq_lens.copy_(lens)
+        # A decode query sits at position seq_len - 1, so the lengths come from the positions
+        # already on the device.
+        self.seq_lens[:bs].copy_(batch.positions)
+        self.seq_lens[:bs].add_(1)
+        self.seq_lens[bs:].zero_()
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
