@@ -41,9 +41,6 @@ class Target:
     odd_head_dim: int  # not a power of two: the masked path
     max_splits: int
 
-    def __repr__(self) -> str:
-        return f"{self.device}-{str(self.dtype).removeprefix('torch.')}"
-
 
 # The interpreter is slow: small heads and few splits on CPU; real shapes on the GPU.
 CPU = Target("cpu", torch.float32, 1e-4, head_dim=32, odd_head_dim=40, max_splits=2)
