@@ -16,8 +16,9 @@ class AttentionBackend(ABC):
     `batch.attn_metadata`; `forward` stores this step's K/V in the pool and attends.
 
     Decode steps can be replayed from CUDA graphs when `supports_cuda_graph` is True. The
-    engine then calls `init_cuda_graph(max_bs)` once, `prepare_for_capture(batch)` before
-    capturing each batch size (the batch holds the graph's static tensors and dummy rows), and
+    engine then calls `init_cuda_graph(max_bs)` once, `prepare_for_capture(batch, page_table)`
+    before capturing each batch size (the batch holds the graph's static tensors and dummy rows;
+    the page table is the engine's one table, which captured kernels may read by address), and
     `prepare_for_replay(batch, page_table)` before every replay: it must update, in place, the
     metadata tensors that the captured kernels read, and run no kernel whose launch shape
     depends on the batch's contents.
@@ -37,7 +38,7 @@ class AttentionBackend(ABC):
     def init_cuda_graph(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def prepare_for_capture(self, batch: Batch) -> None:
+    def prepare_for_capture(self, batch: Batch, page_table: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:

@@ -123,7 +123,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                                          device=dev)
         self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
 
-    def prepare_for_capture(self, batch: Batch) -> None:
+    def prepare_for_capture(self, batch: Batch, page_table: torch.Tensor) -> None:
         bs = batch.size
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,

@@ -63,7 +63,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_splits = max_splits
         self.scale = head_dim**-0.5
         self.device = device
-        self._page_table: torch.Tensor | None = None  # the last one seen, for capture
         self._graph: _GraphBuffers | None = None
 
     def num_splits(self, batch_size: int) -> int:
@@ -71,7 +70,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     # -- eager steps ------------------------------------------------------------------------
     def prepare(self, batch: Batch, page_table: torch.Tensor) -> None:
-        self._page_table = page_table
         bs = batch.size
         if batch.is_decode:
             seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32).to(self.device)
@@ -118,18 +116,14 @@ class TritonAttentionBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int) -> None:
         self._graph = _GraphBuffers.allocate(self, max_bs)
 
-    def prepare_for_capture(self, batch: Batch, page_table: torch.Tensor | None = None) -> None:
+    def prepare_for_capture(self, batch: Batch, page_table: torch.Tensor) -> None:
         """Point `batch.attn_metadata` at views of the static buffers for batch.size requests.
 
         The captured kernels read the page table by address, so it must be the engine's one
-        table: passed here, or the one the last `prepare` call got."""
+        table for every captured size."""
         graph = self._graph
         assert graph is not None, "call init_cuda_graph(max_bs) first"
         assert batch.is_decode, "only decode steps are captured"
-        page_table = page_table if page_table is not None else self._page_table
-        if page_table is None:
-            raise RuntimeError("prepare_for_capture needs the engine's page table: pass it, "
-                               "or call prepare() once before capturing")
         if graph.page_table is not None and not _same_tensor(graph.page_table, page_table):
             raise RuntimeError("all CUDA graphs must be captured with the same page table")
         graph.page_table = page_table
@@ -149,7 +143,6 @@ class TritonAttentionBackend(AttentionBackend):
         assert graph is not None and graph.page_table is not None, "no CUDA graph was captured"
         if not _same_tensor(page_table, graph.page_table):
             raise RuntimeError("replay with another page table than the graphs were captured with")
-        self._page_table = page_table
         graph.fill(batch, page_table.shape[0] - 1)
 
 

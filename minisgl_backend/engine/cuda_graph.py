@@ -27,14 +27,16 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, ctx: Context, backend: AttentionBackend,
-                 max_bs: int, dummy_row: int, dummy_slot: int, device: torch.device) -> None:
+                 max_bs: int, page_table: torch.Tensor, dummy_slot: int) -> None:
         self.model = model
         self.ctx = ctx
         self.backend = backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.dummy_row = dummy_row
+        self.page_table = page_table
+        self.dummy_row = dummy_row = page_table.shape[0] - 1  # maps every page to the dummy page
         self.dummy_slot = dummy_slot
+        device = page_table.device
         # Static inputs: dummy requests (dummy row, position 0, the dummy KV slot) by default.
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
@@ -54,7 +56,7 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int, pool: tuple) -> None:
         batch = self._static_batch(bs, [1] * bs)
-        self.backend.prepare_for_capture(batch)
+        self.backend.prepare_for_capture(batch, self.page_table)
         with self.ctx.forward_batch(batch):
             self.model()  # warm-up: lazy initialization and kernel selection happen outside
             torch.cuda.synchronize()

@@ -90,9 +90,8 @@ class Engine:
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
-                min(config.cuda_graph_max_bs, config.max_running_requests),
-                dummy_row=self.page_table.shape[0] - 1, dummy_slot=self.kv_pool.dummy_slot,
-                device=self.device)
+                min(config.cuda_graph_max_bs, config.max_running_requests), self.page_table,
+                dummy_slot=self.kv_pool.dummy_slot)
 
     def _use_cuda_graphs(self) -> bool:
         # The torch MoE path reads expert ids on the host: it cannot be captured.
@@ -169,8 +168,14 @@ class Engine:
                 logits = self.model()
         self._mask_early_stops(logits, rows, batch.seq_lens)
         # The sampled token's position: it seeds sampling and is where the token pool keeps it.
-        next_positions = torch.tensor(batch.seq_lens, device=self.device)
-        next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
+        if batch.is_decode:
+            next_positions = batch.positions + 1
+        else:
+            next_positions = torch.tensor(batch.seq_lens, device=self.device)
+        if self.row_greedy[rows].all():
+            next_tokens = torch.argmax(logits, dim=-1)
+        else:
+            next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
         next_tokens = next_tokens.to(torch.int32)
         self.token_pool[batch.rows, next_positions] = next_tokens
         host = None
@@ -214,15 +219,14 @@ class Engine:
             return
         row_of_page = np.repeat(rows, counts)
         cols = _ranges(self.row_pages[rows], counts)
-        self.page_table[torch.from_numpy(row_of_page).to(self.device),
-                        torch.from_numpy(cols).to(self.device)] = \
-            torch.from_numpy(pages.astype(np.int32)).to(self.device)
+        row_t, col_t, page_t = self._to_device(row_of_page, cols, pages)
+        self.page_table[row_t, col_t] = page_t.to(torch.int32)
         np.add.at(self.row_pages, rows, counts)
 
     def _make_batch(self, rows: np.ndarray, msg: dict[str, np.ndarray]) -> Batch:
         dev = self.device
-        rows_t = torch.from_numpy(rows).to(dev)
         if msg["is_prefill"][0]:
+            rows_t = torch.from_numpy(rows).to(dev)
             starts = msg["starts"].astype(np.int64)
             lens = msg["extend_lens"].astype(np.int64)
             positions_np = _ranges(starts, lens)
@@ -233,9 +237,8 @@ class Engine:
             self.row_len[rows] = starts + lens
             phase, extend_lens = "prefill", lens.tolist()
         else:
-            positions_np = self.row_len[rows]
+            rows_t, positions = self._to_device(rows, self.row_len[rows])
             row_of_token = rows_t
-            positions = torch.from_numpy(positions_np.copy()).to(dev)
             input_ids = self.token_pool[rows_t, positions]
             self.row_len[rows] += 1
             phase, extend_lens = "decode", [1] * len(rows)
@@ -243,6 +246,11 @@ class Engine:
         return Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
                      out_slots=out_slots, extend_lens=extend_lens,
                      seq_lens=self.row_len[rows].tolist())
+
+    def _to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Integer host arrays of one length as int64 device tensors, in one copy."""
+        packed = torch.from_numpy(np.stack(arrays).astype(np.int64, copy=False))
+        return tuple(packed.to(self.device, non_blocking=True).unbind(0))
 
     def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingTensors:
         idx = torch.from_numpy(rows).to(self.device)

@@ -1,0 +1,149 @@
+"""Where one decode step's time goes, in one engine process (no scheduler, no pipes).
+
+For each attention backend and batch size it prints: the device time of one CUDA-graph replay
+(the GPU-bound floor), the host time of `Engine.launch` (what overlap must hide), one step run
+serially (launch + wait), and steps pipelined the way overlap runs them (launch N+1, then wait
+for N). With --trace, torch.profiler's top host-side ops of a few steps follow.
+
+    python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 1 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.benchmark.shapes import shape_config, write_config
+from minisgl_backend.distributed import destroy_process_group
+from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.engine.engine import Engine
+from minisgl_backend.engine.protocol import StepMessage, decode
+
+PROMPT_LEN = 32
+
+
+def step_messages(engine: Engine, bs: int, steps: int) -> tuple[dict, list[dict]]:
+    """A prefill admitting `bs` requests, then `steps` decode steps (pages added as needed)."""
+    ps = engine.page_size
+    pages_per_req = -(-(PROMPT_LEN + steps + 1) // ps)
+    page_of = {r: list(range(r * pages_per_req, (r + 1) * pages_per_req)) for r in range(bs)}
+    first = -(-PROMPT_LEN // ps)
+    prefill = StepMessage(
+        is_prefill=True, rows=list(range(bs)), starts=[0] * bs, extend_lens=[PROMPT_LEN] * bs,
+        tokens=[(7 * r + i) % 1000 + 5 for r in range(bs) for i in range(PROMPT_LEN)],
+        page_rows=list(range(bs)), page_counts=[first] * bs,
+        new_pages=[p for r in range(bs) for p in page_of[r][:first]],
+        admit_rows=list(range(bs)), admit_temperature=[0.0] * bs, admit_top_k=[-1] * bs,
+        admit_top_p=[1.0] * bs, admit_seed=[0] * bs)
+    decodes = []
+    for step in range(steps):
+        length = PROMPT_LEN + step + 1  # tokens with KV after this step
+        msg = StepMessage(is_prefill=False, rows=list(range(bs)))
+        if (length - 1) % ps == 0 and length > PROMPT_LEN:  # this token opens a new page
+            page = (length - 1) // ps
+            msg.page_rows, msg.page_counts = list(range(bs)), [1] * bs
+            msg.new_pages = [page_of[r][page] for r in range(bs)]
+        decodes.append(decode(msg.to_bytes())[1])
+    return decode(prefill.to_bytes())[1], decodes
+
+
+def profile(engine: Engine, bs: int, steps: int, trace: bool) -> list[str]:
+    engine.page_table.fill_(engine.kv_pool.dummy_page)
+    engine.row_pages[:] = 0
+    prefill, decodes = step_messages(engine, bs, steps)
+    engine.launch(prefill).wait()
+    warm, timed = decodes[:10], decodes[10:]
+    for msg in warm:
+        engine.launch(msg).wait()
+    # Serial: each step to its end before the next.
+    half = len(timed) // 2
+    start = time.perf_counter()
+    launch_time = 0.0
+    for msg in timed[:half]:
+        t = time.perf_counter()
+        handle = engine.launch(msg)
+        launch_time += time.perf_counter() - t
+        handle.wait()
+    serial = (time.perf_counter() - start) / half
+    # Pipelined like overlap: launch N+1, then wait for N.
+    start = time.perf_counter()
+    pending = None
+    for msg in timed[half:]:
+        handle = engine.launch(msg)
+        if pending is not None:
+            pending.wait()
+        pending = handle
+    pending.wait()
+    pipelined = (time.perf_counter() - start) / (len(timed) - half)
+    replay = graph_replay_ms(engine, bs)
+    if trace:
+        print_trace(engine, bs)
+    return [str(bs), f"{replay:.3f}" if replay else "-", f"{launch_time / half * 1e3:.3f}",
+            f"{serial * 1e3:.3f}", f"{pipelined * 1e3:.3f}", f"{bs / pipelined:,.0f}"]
+
+
+def graph_replay_ms(engine: Engine, bs: int, repeats: int = 50) -> float | None:
+    runner = engine.graph_runner
+    if runner is None or bs > runner.max_bs:
+        return None
+    size = runner.sizes[int(np.searchsorted(runner.sizes, bs))]
+    graph = runner.graphs[size]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    begin.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / repeats
+
+
+def print_trace(engine: Engine, bs: int) -> None:
+    _, decodes = step_messages(engine, bs, 30)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for msg in decodes[20:]:
+            engine.launch(msg).wait()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--backends", nargs="+", default=["flashinfer", "triton"])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_config(shape_config(args.shape), Path(tmp) / "model")
+        for backend in args.backends:
+            config = EngineConfig(
+                model_dir=str(folder), page_size=args.page_size, load_format="dummy",
+                attention_backend=backend, max_running_requests=max(args.batch_sizes),
+                max_total_tokens=max(args.batch_sizes) * (PROMPT_LEN + args.steps + 64),
+                cuda_graph_max_bs=args.cuda_graph_max_bs)
+            engine = Engine(config, 0, str(Path(tmp) / f"store-{backend}"))
+            for bs in args.batch_sizes:
+                rows.append([backend, *profile(engine, bs, args.steps, args.trace)])
+            del engine
+            destroy_process_group()
+    print(f"shape {args.shape}, page size {args.page_size}, greedy, {args.steps} steps")
+    print(markdown_table(["backend", "batch", "graph replay ms", "launch host ms",
+                          "serial step ms", "pipelined step ms", "pipelined tok/s"], rows))
+
+
+if __name__ == "__main__":
+    main()
