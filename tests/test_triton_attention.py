@@ -214,7 +214,7 @@ def _static_decode_batch(world: World, bs: int) -> Batch:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled kernels)")
 def test_captured_cuda_graph_replays_new_batches() -> None:
     """A real capture of store + decode for 8 rows, replayed for smaller batches of new lengths."""
-    world = World(GPU, 8, 2, page_size=16)
+    world = World(GPU, 8, 2, page_size=16, num_rows=8)
     tri, ref = world.backends()
     graph_bs = 8
     tri.init_cuda_graph(max_bs=graph_bs)
