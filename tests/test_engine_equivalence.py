@@ -148,3 +148,12 @@ def test_default_model_equals_hf(default_model: Path) -> None:
     assert "Paris" in outputs[0].text
     for out in outputs:
         assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("backend", ["torch,triton", "triton,torch"])
+def test_triton_and_hybrid_attention_equal_hf(tiny_models: dict[str, Path], backend: str) -> None:
+    """The project's Triton kernels (Triton's interpreter on CPU), alone or for one phase."""
+    model = tiny_models["qwen3"]
+    prompts = mixed_prompts(4)
+    assert_matches_hf(model, prompts, run_engine(model, prompts, attention_backend=backend,
+                                                 page_size=4))

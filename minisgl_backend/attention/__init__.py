@@ -7,6 +7,7 @@ import importlib.util
 import torch
 
 from minisgl_backend.attention.base import AttentionBackend
+from minisgl_backend.attention.hybrid import HybridAttentionBackend
 from minisgl_backend.kvcache.pool import PagedKVPool
 
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
@@ -17,23 +18,35 @@ def _importable(module: str) -> bool:
 
 
 def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """FlashInfer on a GPU for half types, else the project's Triton kernels; the torch
-    reference on CPU (or without either package)."""
+    """On a GPU in half precision: FlashInfer for prefill and the project's Triton kernels for
+    decode (faster than FlashInfer's decode on the H200 at batch 1 to 256, with cheaper graph
+    replays; see benchmark/RESULTS.md), or whichever of the two is installed. Float32 has no
+    FlashInfer kernels. The torch reference on CPU or without either package."""
     if device.type != "cuda":
         return "torch"
-    if dtype in (torch.bfloat16, torch.float16) and _importable("flashinfer"):
+    has_flashinfer = dtype in (torch.bfloat16, torch.float16) and _importable("flashinfer")
+    has_triton = _importable("triton")
+    if has_flashinfer and has_triton:
+        return "flashinfer,triton"
+    if has_flashinfer:
         return "flashinfer"
-    return "triton" if _importable("triton") else "torch"
+    return "triton" if has_triton else "torch"
 
 
 def create_attention_backend(
     name: str, kv_pool: PagedKVPool, num_heads: int, head_dim: int, device: torch.device,
     max_pages_per_request: int = 0,
 ) -> AttentionBackend:
-    """`"auto"` picks the fastest backend available on `device` (see `auto_backend`).
+    """`"auto"` picks the fastest backends available on `device` (see `auto_backend`);
+    `"PREFILL,DECODE"` (e.g. "flashinfer,triton") uses one backend per phase.
     `max_pages_per_request` sizes the CUDA-graph index buffers of backends that need them."""
     if name == "auto":
         name = auto_backend(device, kv_pool.buffer.dtype)
+    if "," in name:
+        prefill_name, decode_name = (part.strip() for part in name.split(",", 1))
+        args = (kv_pool, num_heads, head_dim, device, max_pages_per_request)
+        return HybridAttentionBackend(create_attention_backend(prefill_name, *args),
+                                      create_attention_backend(decode_name, *args))
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
@@ -49,8 +62,8 @@ def create_attention_backend(
         from minisgl_backend.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(kv_pool, num_heads, head_dim)
-    raise ValueError(f"attention_backend must be one of auto, {', '.join(ATTENTION_BACKENDS)}; "
-                     f"got {name!r}")
+    raise ValueError(f"attention_backend must be auto, one of {', '.join(ATTENTION_BACKENDS)}, "
+                     f"or PREFILL,DECODE; got {name!r}")
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "auto_backend", "create_attention_backend"]

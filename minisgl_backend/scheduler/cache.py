@@ -50,7 +50,10 @@ class CacheManager:
 
     def grow(self, req: Req) -> None:
         """Allocate the pages `req` needs to hold `device_len` tokens."""
-        pages = self.allocate(pages_for(req.device_len, self.page_size) - len(req.pages))
+        missing = pages_for(req.device_len, self.page_size) - len(req.pages)
+        if missing <= 0:  # the common decode case: the last page has room
+            return
+        pages = self.allocate(missing)
         req.pages.extend(pages)
         req.owned_pages.update(pages)
 

@@ -49,13 +49,14 @@ class OutputTracker:
         text, stopped = "", False
         if self.detokenizer is not None:
             text, stopped = self.matcher.feed(self.detokenizer.push([token]))
+        at_limit = len(req.input_ids) - req.prompt_len >= req.sampling_params.max_tokens
         if stopped:  # the text is cut before the stop string; nothing after it is sent
             self._emit([token], text, "stop")
-        elif len(req.output_ids) >= req.sampling_params.max_tokens:
+        elif at_limit:
             self._emit([token], text + self._flush(), "length")
         else:
             self._emit([token], text, None)
-        return stopped or len(req.output_ids) >= req.sampling_params.max_tokens
+        return stopped or at_limit
 
     def _flush(self) -> str:
         if self.detokenizer is None:

@@ -34,6 +34,8 @@ class PrefillManager:
 
     def schedule(self, decoding: list[Req]) -> tuple[list[Req], list[Req]]:
         """(requests of this prefill step with `device_len` set, the newly admitted ones)."""
+        if self.chunked is None and not self.waiting:
+            return [], []
         budget = self.chunk_size
         batch: list[Req] = []
         running = decoding
