@@ -99,7 +99,7 @@ class Case:
     def run(self, out: torch.Tensor | None = None) -> torch.Tensor:
         q_w, k_w = self.norms or (None, None)
         return fused_qk_norm_rope_store(
-            self.q, self.k, self.v, self.positions, self.rope._cache(), self.out_slots,
+            self.q, self.k, self.v, self.positions, self.rope.cos_sin_cache(), self.out_slots,
             self.pool.k_cache(LAYER), self.pool.v_cache(LAYER),
             q_norm_weight=q_w, k_norm_weight=k_w, eps=EPS, out=out)
 
@@ -161,7 +161,7 @@ def test_no_tokens(target: Target) -> None:
 
 def test_rejects_bad_shapes() -> None:
     case = Case(CPU, (4, 2), 64, qk_norm=True, tokens=3)
-    cache = case.rope._cache()
+    cache = case.rope.cos_sin_cache()
     odd = torch.zeros(3, 4, 96)
     with pytest.raises(AssertionError, match="power of two"):
         fused_qk_norm_rope_store(odd, odd[:, :2], odd[:, :2], case.positions, cache,
@@ -178,7 +178,7 @@ def test_cuda_graph_replay() -> None:
     """Captured once; replays read new q/k/v, positions and slots from the same buffers."""
     case = Case(BF16, (16, 8), 128, qk_norm=True, tokens=8, seed=2)
     q_w, k_w = case.norms
-    cache = case.rope._cache()  # built before capture (it allocates)
+    cache = case.rope.cos_sin_cache()  # built before capture (it allocates)
 
     def launch() -> torch.Tensor:
         return fused_qk_norm_rope_store(

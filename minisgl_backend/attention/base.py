@@ -13,7 +13,8 @@ class AttentionBackend(ABC):
     """Each backend reads K/V of earlier tokens from the paged pool through the page table.
 
     `prepare(batch, page_table)` runs once per step and stores whatever the kernels need in
-    `batch.attn_metadata`; `forward` stores this step's K/V in the pool and attends.
+    `batch.attn_metadata`; `forward` stores this step's K/V in the pool (unless the caller
+    already did, passing `k = v = None`) and attends.
 
     Decode steps can be replayed from CUDA graphs when `supports_cuda_graph` is True. The
     engine then calls `init_cuda_graph(max_bs)` once, `prepare_for_capture(batch, page_table)`
@@ -31,9 +32,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
-        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
+        """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] or None (already in the pool)
+        -> [tokens, heads * dim]."""
 
     def init_cuda_graph(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

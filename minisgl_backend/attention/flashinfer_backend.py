@@ -98,9 +98,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._record_plan()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
-        self.kv_pool.store(layer_id, batch.out_slots, k, v)
+        if k is not None:
+            self.kv_pool.store(layer_id, batch.out_slots, k, v)
         kv = (self.kv_pool.buffer[0, layer_id], self.kv_pool.buffer[1, layer_id])
         out = batch.attn_metadata.run(q.contiguous(), kv)
         return out.reshape(q.shape[0], -1)

@@ -23,7 +23,8 @@ class HybridAttentionBackend(AttentionBackend):
         self._backend(batch).prepare(batch, page_table)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
         return self._backend(batch).forward(q, k, v, layer_id, batch)
 

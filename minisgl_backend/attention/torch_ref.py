@@ -55,9 +55,11 @@ class TorchAttentionBackend(AttentionBackend):
         batch.attn_metadata = TorchAttnMetadata(kv_slots=slots, kv_mask=mask)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
-        self.kv_pool.store(layer_id, batch.out_slots, k, v)
+        if k is not None:
+            self.kv_pool.store(layer_id, batch.out_slots, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
         k_all = self.kv_pool.k_cache(layer_id)[meta.kv_slots]  # [bs, max_len, kv_heads, dim]
         v_all = self.kv_pool.v_cache(layer_id)[meta.kv_slots]

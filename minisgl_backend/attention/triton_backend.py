@@ -90,11 +90,13 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
         k_cache = self.kv_pool.k_cache(layer_id)
         v_cache = self.kv_pool.v_cache(layer_id)
-        store_kv(k, v, k_cache, v_cache, batch.out_slots)
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, batch.out_slots)
         meta: TritonAttnMetadata = batch.attn_metadata
         page_size = self.kv_pool.page_size
         if batch.is_decode:

@@ -26,6 +26,16 @@ def flashinfer_module() -> ModuleType | None:
     return flashinfer
 
 
+@lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton_kernels(x: torch.Tensor) -> bool:
+    """The project's own Triton kernels (`kernels/`) run compiled on a GPU."""
+    return x.is_cuda and _has_triton()
+
+
 def use_flashinfer(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in HALF_TYPES and flashinfer_module() is not None
 

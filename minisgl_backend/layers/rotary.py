@@ -45,7 +45,7 @@ class RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
         self._cos_sin_cache = None
 
-    def _cache(self) -> torch.Tensor:
+    def cos_sin_cache(self) -> torch.Tensor:
         """[max_positions, head_dim] float32: cos of every frequency, then sin (FlashInfer's)."""
         if self._cos_sin_cache is None:
             positions = torch.arange(self.max_positions, device=self.inv_freq.device).float()
@@ -60,7 +60,7 @@ class RotaryEmbedding:
         if use_flashinfer(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
                 positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim,
-                self._cache(), is_neox=True)
+                self.cos_sin_cache(), is_neox=True)
             return q, k
         cos, sin = _cos_sin(positions, self.inv_freq, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
