@@ -156,13 +156,14 @@ class TritonServer:
         return leftovers
 
 
-def start_server(log_path: Path) -> TritonServer:
+def start_server(log_path: Path, extra_args: tuple[str, ...] = (),
+                 repository: Path = REPO_ROOT / "model_repository") -> TritonServer:
     http_port, grpc_port, metrics_port = _free_ports(3)
     command = (
         ". scripts/triton_env.sh && run_tritonserver "
-        f"--model-repository={REPO_ROOT / 'model_repository'} "
+        f"--model-repository={repository} "
         f"--http-port={http_port} --grpc-port={grpc_port} --metrics-port={metrics_port} "
-        "--disable-auto-complete-config"
+        "--disable-auto-complete-config " + " ".join(extra_args)
     )
     log = open(log_path, "wb")  # noqa: SIM115 - the server writes to it until it exits
     process = subprocess.Popen(["bash", "-c", command], cwd=REPO_ROOT, stdout=log,

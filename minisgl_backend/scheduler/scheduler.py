@@ -168,6 +168,13 @@ class Scheduler:
     def alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving (None while it serves)."""
+        if self._dead is None and not self._thread.is_alive():
+            return "the scheduler thread stopped"
+        return self._dead
+
     def shutdown(self) -> None:
         if self._thread.is_alive():
             self._inbox.put(None)

@@ -58,7 +58,9 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.llm = LLM(model_dir, **engine_settings(parameters))
         self.scheduler = self.llm.scheduler
-        self.metrics = EngineMetrics(config["name"])
+        self.name = config["name"]
+        self.failed = False  # the engine died; see _on_engine_failure
+        self.metrics = EngineMetrics(self.name)
         self.outputs: queue.SimpleQueue[tuple[ActiveRequest, RequestOutput] | None] = \
             queue.SimpleQueue()
         self.active: dict[int, ActiveRequest] = {}  # uid -> request, response thread only
@@ -107,6 +109,23 @@ class TritonPythonModel:
                 last_poll = now
                 self._poll_cancelled()
                 self.metrics.update_gauges(self.scheduler.stats)
+                if not self.failed and self.scheduler.failure is not None:
+                    self._on_engine_failure(self.scheduler.failure)
+
+    def _on_engine_failure(self, reason: str) -> None:
+        """The engine is gone: every request already failed with `reason` and later ones fail
+        at once. Unload this model so that it reports not ready; a load through the model
+        repository API (--model-control-mode=explicit) starts fresh engines."""
+        self.failed = True
+        logger.error("model %s: the engine failed (%s); unloading the model", self.name, reason)
+        threading.Thread(target=self._unload_self, name="minisgl-unload", daemon=True).start()
+
+    def _unload_self(self) -> None:
+        try:
+            pb_utils.unload_model(self.name)
+        except Exception as exc:  # noqa: BLE001 - e.g. not in explicit model control mode
+            logger.error("model %s cannot unload itself (%s): it stays loaded and fails every "
+                         "request; restart tritonserver to serve again", self.name, exc)
 
     def _take_submitted(self) -> None:
         while True:
