@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 
 from minisgl_backend.llm import LLM
 from minisgl_backend.scheduler import RequestOutput
+from minisgl_backend.serving.lifecycle import exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
 from minisgl_backend.serving.settings import (
@@ -68,6 +69,7 @@ class TritonPythonModel:
         self.thread = threading.Thread(target=self._respond_loop, name="minisgl-responses",
                                        daemon=True)
         self.thread.start()
+        exit_with_server(self.name, lambda: self.scheduler.engine.shutdown(timeout=1.0))
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from minisgl_backend.serving.lifecycle import exit_with_server
 from minisgl_backend.serving.request import RequestError, prompt_token_ids
 from minisgl_backend.serving.settings import load_model_config, model_parameters, resolve_model_dir
 from minisgl_backend.serving.tensors import input_getter
@@ -19,6 +20,7 @@ class TritonPythonModel:
         parameters = model_parameters(load_model_config(args))
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        exit_with_server(load_model_config(args)["name"])
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._tokenize(request) for request in requests]

@@ -1,0 +1,53 @@
+"""Leave nothing behind when tritonserver dies without unloading its models.
+
+When tritonserver exits abruptly (a crash, SIGKILL, or its exit timeout running out with
+requests in flight), a Python backend stub may be left waiting on a server that is gone. Each of
+our models starts a watchdog: once the stub has been re-parented (its server is gone), it runs
+the model's cleanup (bounded), removes the stub's shared-memory region, which nobody else will,
+and ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+POLL_SECONDS = 0.5
+CLEANUP_SECONDS = 5.0
+
+
+def exit_with_server(model_name: str, cleanup: Callable[[], None] | None = None) -> None:
+    server_pid = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == server_pid:
+            time.sleep(POLL_SECONDS)
+        logger.error("model %s: tritonserver (pid %d) is gone; stopping this stub", model_name,
+                     server_pid)
+        if cleanup is not None:
+            worker = threading.Thread(target=cleanup, name="minisgl-cleanup", daemon=True)
+            worker.start()
+            worker.join(CLEANUP_SECONDS)
+        _remove_own_shm_region()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minisgl-server-watch", daemon=True).start()
+
+
+def _remove_own_shm_region() -> None:
+    """The stub's command line names its region: `stub model.py <region> <size> ...`."""
+    try:
+        args = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+        region = args[2].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return
+    if region and "/" not in region:
+        try:
+            os.unlink(f"/dev/shm/{region}")
+        except OSError:
+            pass
