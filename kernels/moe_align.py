@@ -123,9 +123,9 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     dev = ids.device
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
-    num_padded = torch.zeros(1, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)  # the offsets kernel writes it
     if num_pairs == 0:
-        return BlockAlignment(sorted_ids, expert_ids, num_padded, block_m)
+        return BlockAlignment(sorted_ids, expert_ids, num_padded.zero_(), block_m)
     block_e = triton.next_power_of_2(num_experts)
     block_c = max(16, min(_TILE // block_e, triton.next_power_of_2(num_pairs)))
     num_chunks = triton.cdiv(num_pairs, block_c)
