@@ -261,6 +261,8 @@ class Scheduler:
     def _send_next_step(self) -> _SentStep | None:
         """Schedule, send and account one step (its computed tokens become cached)."""
         batch, admitted = self.prefill.schedule(list(self.decode.running.values()))
+        for req in admitted:
+            req.admitted_step = self.num_steps
         is_prefill = bool(batch)
         if not is_prefill:
             batch = self.decode.schedule()
