@@ -105,6 +105,15 @@ def server_leftovers(server_pid: int, known: set[int]) -> dict[int, str]:
     return {pid: " ".join(_cmdline(pid))[:200] for pid in sorted(suspects) if _alive(pid)}
 
 
+def engine_pids(server_pid: int, model: str = "minisgl") -> list[int]:
+    """The engine processes spawned by `model`'s Python backend stub."""
+    stubs = [pid for pid in descendants(server_pid)
+             if (cmd := _cmdline(pid)) and Path(cmd[0]).name == "triton_python_backend_stub"
+             and f"/{model}/" in " ".join(cmd)]
+    return [pid for stub in stubs for pid in descendants(stub)
+            if "spawn_main" in " ".join(_cmdline(pid))]
+
+
 @dataclass
 class TritonServer:
     process: subprocess.Popen
@@ -247,9 +256,10 @@ class HttpResult:
         return _as_ids(self.body.get("output_ids"))
 
 
-def http_generate(server: TritonServer, body: dict[str, Any], timeout: float = 120) -> HttpResult:
-    """POST /v2/models/ensemble/generate; errors come back as a result, not an exception."""
-    url = f"{server.http_url}/v2/models/{MODEL}/generate"
+def http_generate(server: TritonServer, body: dict[str, Any], timeout: float = 120,
+                  model: str = MODEL) -> HttpResult:
+    """POST /v2/models/{model}/generate; errors come back as a result, not an exception."""
+    url = f"{server.http_url}/v2/models/{model}/generate"
     try:
         with _post(url, body, timeout) as resp:
             return HttpResult(resp.status, json.loads(resp.read()))
@@ -276,18 +286,19 @@ def http_generate_stream(server: TritonServer, body: dict[str, Any],
     return events
 
 
-def metrics(server: TritonServer) -> dict[str, float]:
-    """The `minisgl_*` samples of model="minisgl" (name with any extra labels -> value)."""
+def metrics(server: TritonServer, model: str = "minisgl") -> dict[str, float]:
+    """The `minisgl_*` samples of `model` (name with any extra labels -> value)."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     samples = {}
+    label = f'model="{model}"'
     for line in text.splitlines():
-        if not line.startswith("minisgl_") or 'model="minisgl"' not in line:
+        if not line.startswith("minisgl_") or label not in line:
             continue
         key, value = line.rsplit(" ", 1)
         name, labels = key.split("{", 1)
         extra = ",".join(part for part in labels.rstrip("}").split(",")
-                         if part and part != 'model="minisgl"')
+                         if part and part != label)
         samples[f"{name}{{{extra}}}" if extra else name] = float(value)
     return samples
 

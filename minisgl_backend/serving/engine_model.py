@@ -33,6 +33,7 @@ from minisgl_backend.serving.tensors import input_getter
 
 logger = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.02
+READY_CHECK_SECONDS = 0.5
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -95,7 +96,7 @@ class TritonPythonModel:
     # ----- response thread ------------------------------------------------------------------
 
     def _respond_loop(self) -> None:
-        last_poll = 0.0
+        last_poll = last_ready_check = 0.0
         while True:
             try:
                 item = self.outputs.get(timeout=CANCEL_POLL_SECONDS)
@@ -113,6 +114,26 @@ class TritonPythonModel:
                 self.metrics.update_gauges(self.scheduler.stats)
                 if not self.failed and self.scheduler.failure is not None:
                     self._on_engine_failure(self.scheduler.failure)
+            if self.active and now - last_ready_check >= READY_CHECK_SECONDS:
+                last_ready_check = now
+                self._check_server_ready()
+
+    def _check_server_ready(self) -> None:
+        """Once tritonserver is stopping, end every request in flight: it waits for them (up
+        to its exit timeout) and an ensemble's running step never sees a cancellation."""
+        try:
+            ready = pb_utils.is_model_ready(self.name)
+        except Exception as exc:  # noqa: BLE001 - the server refuses the query while exiting
+            logger.warning("model %s: readiness query failed: %s", self.name, exc)
+            ready = False
+        if ready:
+            return
+        logger.warning("model %s is no longer ready: ending %d requests in flight", self.name,
+                       len(self.active))
+        for state in list(self.active.values()):
+            if not state.cancelled:
+                state.cancelled = True
+                self.scheduler.abort(state.uid)
 
     def _on_engine_failure(self, reason: str) -> None:
         """The engine is gone: every request already failed with `reason` and later ones fail

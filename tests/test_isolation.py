@@ -1,0 +1,153 @@
+"""Two instances of the engine model in one server, and what their processes listen on.
+
+A copy of `model_repository/` adds `minisgl_b` (other settings: page size 16, no prefix cache,
+two tensor-parallel ranks talking over gloo). Both instances must serve side by side, each with
+its own engine processes, metrics and private directory, and no process of the server may
+listen on anything but loopback.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.triton_fixtures import (
+    REPO_ROOT,
+    TritonServer,
+    _cmdline,
+    descendants,
+    engine_pids,
+    ensemble_inputs,
+    grpc_generate,
+    metrics,
+    start_server,
+)
+
+PROMPT = "The capital of France is"
+MODELS = ("minisgl", "minisgl_b")
+
+
+def _set_parameter(config: str, key: str, value: str) -> str:
+    pattern = rf'(parameters {{ key: "{key}" value: {{ string_value: )"[^"]*"'
+    config, count = re.subn(pattern, rf'\1"{value}"', config)
+    assert count == 1, key
+    return config
+
+
+def two_instance_repository(root: Path, model_dir: Path) -> Path:
+    repo = root / "model_repository"
+    shutil.copytree(REPO_ROOT / "model_repository", repo,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "minisgl", repo / "minisgl_b")
+    for name in ("minisgl", "minisgl_b", "preprocessing"):
+        path = repo / name / "config.pbtxt"
+        path.write_text(_set_parameter(path.read_text(), "model", str(model_dir)))
+    path = repo / "minisgl_b" / "config.pbtxt"
+    config = path.read_text().replace('name: "minisgl"', 'name: "minisgl_b"')
+    for key, value in (("page_size", "16"), ("cache", "naive"), ("tp_size", "2")):
+        config = _set_parameter(config, key, value)
+    path.write_text(config)
+    return repo
+
+
+def private_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "minisgl-*")))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path):  # noqa: ANN201
+    root = tmp_path_factory.mktemp("two-instances")
+    dirs_before = private_dirs()
+    server = start_server(root / "server.log",
+                          repository=two_instance_repository(root, default_model))
+    server.dirs_before = dirs_before  # type: ignore[attr-defined]
+    yield server
+    leftovers = server.stop()
+    assert not leftovers, f"processes outlived the server: {leftovers}"
+
+
+def test_two_instances_serve_side_by_side(server: TritonServer) -> None:
+    inputs = ensemble_inputs(PROMPT, 12, stream=True)
+    results: dict[str, object] = {}
+
+    def ask(model: str) -> None:
+        results[model] = grpc_generate(server, inputs, model=model)
+
+    threads = [threading.Thread(target=ask, args=(model,)) for model in (*MODELS, "ensemble")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    texts = {model: results[model].text for model in results}
+    print(f"\nanswers: {texts}")
+    assert not any(results[m].errors for m in results), {m: results[m].errors for m in results}
+    assert len(set(texts.values())) == 1 and texts["minisgl"].strip()
+    for model in MODELS:
+        counts = metrics(server, model)
+        assert counts["minisgl_generated_tokens_total"] >= 12, (model, counts)
+    pids = {model: set(engine_pids(server.process.pid, model)) for model in MODELS}
+    print(f"engine processes: {pids}")
+    assert len(pids["minisgl"]) == 1 and len(pids["minisgl_b"]) == 2
+    assert not pids["minisgl"] & pids["minisgl_b"]
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _listening_tcp() -> dict[str, str]:
+    """inode -> local address of every listening TCP socket (IPv4 and IPv6)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                found[fields[9]] = fields[1]
+    return found
+
+
+_LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::1
+
+
+def test_engines_and_stubs_listen_on_loopback_only(server: TritonServer) -> None:
+    listening = _listening_tcp()
+    own = descendants(server.process.pid) - {server.process.pid}
+    checked = {}
+    for pid in own:
+        cmd = " ".join(_cmdline(pid))
+        if "tritonserver" in cmd and "stub" not in cmd:
+            continue  # Triton's own HTTP/gRPC/metrics endpoints listen where the user asked
+        for inode in _socket_inodes(pid) & listening.keys():
+            checked[(pid, cmd[:60])] = listening[inode]
+    print(f"\nlistening sockets of stubs and engines: {checked}")
+    for (pid, cmd), address in checked.items():
+        assert address.split(":")[0] in _LOOPBACK, f"{cmd} ({pid}) listens on {address}"
+
+
+def test_each_instance_has_its_own_private_directory(server: TritonServer) -> None:
+    """The engines' rendezvous files live in one 0700 directory per model instance."""
+    new = private_dirs() - server.dirs_before  # type: ignore[attr-defined]
+    print(f"\nprivate directories: {sorted(new)}")
+    assert len(new) == len(MODELS)
+    for path in new:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path} is open to others: {oct(mode)}"
