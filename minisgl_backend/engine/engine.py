@@ -7,6 +7,7 @@ previous step: the scheduler never has to send them back.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -94,9 +95,10 @@ class Engine:
                 dummy_slot=self.kv_pool.dummy_slot)
 
     def _use_cuda_graphs(self) -> bool:
-        # The torch MoE path reads expert ids on the host: it cannot be captured.
+        # MoE layers need the fused Triton path: the torch one reads expert ids on the host.
+        moe_ok = self.model_config.num_experts == 0 or importlib.util.find_spec("triton")
         return (self.device.type == "cuda" and self.config.cuda_graph_max_bs > 0
-                and self.attn_backend.supports_cuda_graph and self.model_config.num_experts == 0)
+                and self.attn_backend.supports_cuda_graph and bool(moe_ok))
 
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""

@@ -2,7 +2,8 @@
 
 Every rank holds every expert with its intermediate dimension split (column/row parallel), so the
 layer ends with one all-reduce like a dense MLP. The torch path loops over the experts that got
-tokens; a fused GPU kernel can replace `experts_forward` behind the same weights.
+tokens (reading expert ids on the host); on a GPU the fused Triton kernels of `kernels/` run
+instead, with no host synchronization, so MoE decode steps can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.distributed import all_reduce, get_tp_info
-from minisgl_backend.layers.fast_ops import silu_and_mul
+from minisgl_backend.layers.fast_ops import silu_and_mul, use_triton_kernels
 from minisgl_backend.layers.linear import ReplicatedLinear, divide
 
 
@@ -51,9 +52,14 @@ class MoEMLP(nn.Module):
         self.renormalize = renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         # w13[e] = [gate rows; up rows] of expert e, w2[e] its down projection (local slices).
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size),
+                                requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if use_triton_kernels(x):  # grouped GEMMs over expert-sorted tokens, no host sync
+            from kernels.fused_moe import fused_experts
+
+            return all_reduce(fused_experts(x, self.w13, self.w2, weights, ids))
         return all_reduce(experts_forward_torch(x, self.w13, self.w2, weights, ids))
