@@ -127,3 +127,35 @@ def test_text_input_is_tokenized_like_preprocessing(tokenizer) -> None:  # noqa:
 def test_bad_text_input_names_the_field(tokenizer, inputs: dict, field: str) -> None:  # noqa: ANN001
     with pytest.raises(RequestError, match=field):
         text_request(tokenizer, **inputs)
+
+
+@pytest.mark.parametrize(("limits", "inputs", "field"), [
+    ({"max_input_bytes": 10}, {"text_input": np.array([[b"x" * 11]], dtype=object)},
+     "text_input"),
+    ({"max_prompt_tokens": 2}, {"text_input": np.array([[b"def add(a, b):"]], dtype=object)},
+     "text_input"),
+    ({"max_output_tokens": 4}, {"text_input": np.array([[b"hi"]], dtype=object)}, "max_tokens"),
+    ({"max_stop_words": 1}, {"text_input": np.array([[b"hi"]], dtype=object),
+                             "stop_words": np.array([[b"a", b"b"]], dtype=object)}, "stop_words"),
+    ({"max_stop_word_length": 3}, {"text_input": np.array([[b"hi"]], dtype=object),
+                                   "stop_words": np.array([[b"abcd"]], dtype=object)},
+     "stop_words"),
+])
+def test_request_limits_name_the_field(tokenizer, limits: dict, inputs: dict,  # noqa: ANN001
+                                       field: str) -> None:
+    from minisgl_backend.serving.request import RequestLimits
+
+    getter_inputs = {"max_tokens": [[8]], **inputs}
+    with pytest.raises(RequestError, match=field):
+        parse_engine_request(getter(**getter_inputs), 100, tokenizer, RequestLimits(**limits))
+    # the same request passes without the limit
+    parse_engine_request(getter(**getter_inputs), 100, tokenizer)
+
+
+def test_request_limits_from_parameters() -> None:
+    from minisgl_backend.serving.settings import request_limits
+
+    limits = request_limits({"max_stop_words": "4", "max_prompt_tokens": "", "model": "x"})
+    assert limits.max_stop_words == 4 and limits.max_prompt_tokens == 0
+    with pytest.raises(ValueError, match="max_output_tokens"):
+        request_limits({"max_output_tokens": "-1"})

@@ -27,6 +27,7 @@ from minisgl_backend.serving.settings import (
     engine_settings,
     load_model_config,
     model_parameters,
+    request_limits,
     resolve_model_dir,
 )
 from minisgl_backend.serving.tensors import input_getter
@@ -59,6 +60,7 @@ class TritonPythonModel:
         parameters = model_parameters(config)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.llm = LLM(model_dir, **engine_settings(parameters))
+        self.limits = request_limits(parameters)
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
         self.failed = False  # the engine died; see _on_engine_failure
@@ -82,7 +84,7 @@ class TritonPythonModel:
 
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
-                                          self.llm.tokenizer)
+                                          self.llm.tokenizer, self.limits)
             self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),

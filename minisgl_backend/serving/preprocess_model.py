@@ -9,7 +9,12 @@ import triton_python_backend_utils as pb_utils
 
 from minisgl_backend.serving.lifecycle import exit_with_server
 from minisgl_backend.serving.request import RequestError, prompt_token_ids
-from minisgl_backend.serving.settings import load_model_config, model_parameters, resolve_model_dir
+from minisgl_backend.serving.settings import (
+    load_model_config,
+    model_parameters,
+    request_limits,
+    resolve_model_dir,
+)
 from minisgl_backend.serving.tensors import input_getter
 
 
@@ -18,6 +23,7 @@ class TritonPythonModel:
         from transformers import AutoTokenizer
 
         parameters = model_parameters(load_model_config(args))
+        self.limits = request_limits(parameters)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         exit_with_server(load_model_config(args)["name"])
@@ -27,7 +33,7 @@ class TritonPythonModel:
 
     def _tokenize(self, request: Any) -> Any:
         try:
-            ids = prompt_token_ids(input_getter(request), self.tokenizer)
+            ids = prompt_token_ids(input_getter(request), self.tokenizer, self.limits)
         except RequestError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         tensor = pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int32))

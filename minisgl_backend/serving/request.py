@@ -24,6 +24,17 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may take (config.pbtxt parameters; 0 means the engine's own limit)."""
+
+    max_input_bytes: int = 1 << 20  # text_input before tokenization
+    max_prompt_tokens: int = 0
+    max_output_tokens: int = 0
+    max_stop_words: int = 32
+    max_stop_word_length: int = 256  # characters
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams
@@ -95,12 +106,17 @@ def chat_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def prompt_token_ids(get: GetInput, tokenizer: Any) -> list[int]:
+def prompt_token_ids(get: GetInput, tokenizer: Any,
+                     limits: RequestLimits = RequestLimits()) -> list[int]:
     """`text_input` (plain, or chat when `apply_chat_template`) as the prompt's token ids."""
     texts = get("text_input")
     if texts is None or texts.size != 1:
         raise RequestError("text_input must hold exactly one string")
-    text = decode_text(texts.reshape(-1)[0], "text_input")
+    raw = texts.reshape(-1)[0]
+    if isinstance(raw, (bytes, str)) and len(raw) > limits.max_input_bytes:
+        raise RequestError(f"text_input has {len(raw)} bytes; the limit is "
+                           f"{limits.max_input_bytes}")
+    text = decode_text(raw, "text_input")
     if not text.strip():
         raise RequestError("text_input is empty")
     if scalar(get, "apply_chat_template", "bool", False):
@@ -108,13 +124,13 @@ def prompt_token_ids(get: GetInput, tokenizer: Any) -> list[int]:
     return encode_prompt(tokenizer, text)
 
 
-def _prompt(get: GetInput, tokenizer: Any) -> list[int]:
+def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits) -> list[int]:
     """Token ids from preprocessing (`input_ids`), or `text_input` tokenized here."""
     ids = get("input_ids")
     if ids is None:
         if get("text_input") is None or tokenizer is None:
             raise RequestError("text_input is required")
-        return prompt_token_ids(get, tokenizer)
+        return prompt_token_ids(get, tokenizer, limits)
     if get("text_input") is not None:
         raise RequestError("give text_input or input_ids, not both")
     if ids.size == 0:
@@ -124,11 +140,23 @@ def _prompt(get: GetInput, tokenizer: Any) -> list[int]:
     return [int(t) for t in ids.reshape(-1)]
 
 
-def parse_engine_request(get: GetInput, max_tokens_limit: int,
-                         tokenizer: Any = None) -> EngineRequest:
+def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = None,
+                         limits: RequestLimits = RequestLimits()) -> EngineRequest:
     """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
     text when called directly) and the generation settings."""
-    prompt_ids = _prompt(get, tokenizer)
+    prompt_ids = _prompt(get, tokenizer, limits)
+    if limits.max_prompt_tokens and len(prompt_ids) > limits.max_prompt_tokens:
+        raise RequestError(f"text_input has {len(prompt_ids)} tokens; the limit is "
+                           f"{limits.max_prompt_tokens}")
+    if limits.max_output_tokens:
+        max_tokens_limit = min(max_tokens_limit, limits.max_output_tokens)
+    stop = text_list(get, "stop_words")
+    if len(stop) > limits.max_stop_words:
+        raise RequestError(f"stop_words has {len(stop)} entries; the limit is "
+                           f"{limits.max_stop_words}")
+    if any(len(word) > limits.max_stop_word_length for word in stop):
+        raise RequestError(f"stop_words entries may have {limits.max_stop_word_length} "
+                           f"characters at most")
     max_tokens = scalar(get, "max_tokens", "int")
     if max_tokens is None:
         raise RequestError("max_tokens is required")
@@ -144,7 +172,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int,
             top_p=float(scalar(get, "top_p", "float", 1.0)),
             seed=scalar(get, "seed", "int"),
             ignore_eos=bool(scalar(get, "ignore_eos", "bool", False)),
-            stop=text_list(get, "stop_words") or None,
+            stop=stop or None,
             stop_token_ids=stop_ids,
             min_tokens=scalar(get, "min_length", "int", 0),
         )

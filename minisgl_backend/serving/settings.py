@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from minisgl_backend.serving.request import RequestLimits
+
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # relative to the repository root
 
 # parameter key -> (LLM keyword, type)
@@ -57,6 +59,26 @@ def engine_settings(parameters: dict[str, str]) -> dict[str, Any]:
         except ValueError:
             raise ValueError(f"parameter {key} must be {kind.__name__}, got {value!r}") from None
     return settings
+
+
+_LIMIT_PARAMETERS = ("max_input_bytes", "max_prompt_tokens", "max_output_tokens",
+                     "max_stop_words", "max_stop_word_length")
+
+
+def request_limits(parameters: dict[str, str]) -> RequestLimits:
+    """The per-request limits among the parameters (unset ones keep their defaults)."""
+    values = {}
+    for key in _LIMIT_PARAMETERS:
+        value = parameters.get(key, "").strip()
+        if not value:
+            continue
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ValueError(f"parameter {key} must be int, got {value!r}") from None
+        if values[key] < 0:
+            raise ValueError(f"parameter {key} must be >= 0, got {value!r}")
+    return RequestLimits(**values)
 
 
 def load_model_config(args: dict[str, str]) -> dict[str, Any]:
