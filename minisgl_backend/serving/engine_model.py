@@ -19,6 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from minisgl_backend.llm import LLM
+from minisgl_backend.models import ModelConfig
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.serving.lifecycle import exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
@@ -61,9 +62,11 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.llm = LLM(model_dir, **engine_settings(parameters))
         self.limits = request_limits(parameters)
+        self.vocab_size = ModelConfig.from_folder(model_dir).vocab_size  # token ids must be below
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
         self.failed = False  # the engine died; see _on_engine_failure
+        self.ending = False  # the server is stopping; see _check_server_ready
         self.metrics = EngineMetrics(self.name)
         self.outputs: queue.SimpleQueue[tuple[ActiveRequest, RequestOutput] | None] = \
             queue.SimpleQueue()
@@ -84,7 +87,7 @@ class TritonPythonModel:
 
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
-                                          self.llm.tokenizer, self.limits)
+                                          self.llm.tokenizer, self.limits, self.vocab_size)
             self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
@@ -130,8 +133,10 @@ class TritonPythonModel:
             ready = False
         if ready:
             return
-        logger.warning("model %s is no longer ready: ending %d requests in flight", self.name,
-                       len(self.active))
+        if not self.ending:
+            logger.warning("model %s is no longer ready: ending %d requests in flight",
+                           self.name, len(self.active))
+            self.ending = True
         for state in list(self.active.values()):
             if not state.cancelled:
                 state.cancelled = True
