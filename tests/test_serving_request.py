@@ -61,7 +61,7 @@ def test_sampling_inputs_reach_the_params() -> None:
     ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words"),
     ({"stop_words": np.array([[1.0]], dtype=np.float32)}, "stop_words"),
     ({"stream": np.array([[1]], dtype=np.int32)}, "stream"),
-    ({"min_length": np.array([[50]], dtype=np.int32)}, "min_tokens"),
+    ({"min_length": np.array([[50]], dtype=np.int32)}, "min_length"),
 ])
 def test_bad_inputs_name_the_field(inputs: dict, field: str) -> None:
     with pytest.raises(RequestError, match=field):

@@ -96,7 +96,7 @@ def chat_messages(text: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": text}]
     try:
         messages = json.loads(stripped)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise RequestError(f"text_input is not a valid JSON list of chat messages: {exc}") from None
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -124,7 +124,7 @@ def prompt_token_ids(get: GetInput, tokenizer: Any,
     return encode_prompt(tokenizer, text)
 
 
-def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits) -> list[int]:
+def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits, vocab_size: int) -> list[int]:
     """Token ids from preprocessing (`input_ids`), or `text_input` tokenized here."""
     ids = get("input_ids")
     if ids is None:
@@ -137,14 +137,20 @@ def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits) -> list[int]:
         raise RequestError("input_ids is empty (text_input must not be empty)")
     if ids.dtype.kind not in "iu":
         raise RequestError(f"input_ids must be integers, got dtype {ids.dtype}")
+    if ids.min() < 0 or (vocab_size and ids.max() >= vocab_size):
+        raise RequestError(f"input_ids must be token ids in [0, {vocab_size or 'vocab size'}), "
+                           f"got {int(ids.min())}..{int(ids.max())}")
     return [int(t) for t in ids.reshape(-1)]
 
 
 def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = None,
-                         limits: RequestLimits = RequestLimits()) -> EngineRequest:
+                         limits: RequestLimits = RequestLimits(),
+                         vocab_size: int = 0) -> EngineRequest:
     """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
-    text when called directly) and the generation settings."""
-    prompt_ids = _prompt(get, tokenizer, limits)
+    text when called directly) and the generation settings. Token ids (`input_ids`, `end_id`)
+    must be below `vocab_size` when it is given: the engine indexes its embedding and logits
+    with them."""
+    prompt_ids = _prompt(get, tokenizer, limits, vocab_size)
     if limits.max_prompt_tokens and len(prompt_ids) > limits.max_prompt_tokens:
         raise RequestError(f"text_input has {len(prompt_ids)} tokens; the limit is "
                            f"{limits.max_prompt_tokens}")
@@ -163,7 +169,12 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     if max_tokens < 1 or max_tokens > max_tokens_limit:
         raise RequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
     end_id = scalar(get, "end_id", "int")
+    if end_id is not None and vocab_size and end_id >= vocab_size:
+        raise RequestError(f"end_id must be a token id below {vocab_size} (or -1), got {end_id}")
     stop_ids = [end_id] if end_id is not None and end_id >= 0 else None
+    min_length = scalar(get, "min_length", "int", 0)
+    if not 0 <= min_length <= max_tokens:
+        raise RequestError(f"min_length must be in [0, max_tokens={max_tokens}], got {min_length}")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -174,7 +185,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
             ignore_eos=bool(scalar(get, "ignore_eos", "bool", False)),
             stop=stop or None,
             stop_token_ids=stop_ids,
-            min_tokens=scalar(get, "min_length", "int", 0),
+            min_tokens=min_length,
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from None
