@@ -114,6 +114,7 @@ class Scheduler:
         self.num_steps = 0
         self.peak_running = 0  # most requests admitted at once so far
         self._dead: str | None = None
+        self._shut_down = False
         self._next_uid = 0
         self._uid_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
@@ -170,12 +171,15 @@ class Scheduler:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped serving (None while it serves)."""
+        """Why the engine stopped serving (None while it serves, or after `shutdown`)."""
+        if self._shut_down:
+            return None
         if self._dead is None and not self._thread.is_alive():
             return "the scheduler thread stopped"
         return self._dead
 
     def shutdown(self) -> None:
+        self._shut_down = True
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
