@@ -5,11 +5,14 @@ runs alone (greedy outputs and seeded samples do not depend on the batch), the s
 checks verify page accounting after every step, and waiting is first come, first served: in
 arrival order, the step that admitted a request never goes back (`Req.admitted_step`), so no
 request waits behind more than the requests that arrived before it plus one step's admissions.
+A shutdown under load ends every request, also those submitted while or after it happens.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,3 +181,62 @@ def test_overload_completes_fcfs_with_outputs_as_alone(tiny_models: dict[str, Pa
                             f"first: request {mismatched[0]}")
     reasons = {reason for _, reason, _ in alone}
     assert "length" in reasons
+
+
+def test_shutdown_under_load_ends_every_request(tiny_models: dict[str, Path]) -> None:
+    """Clients keep submitting while the scheduler shuts down: requests queued before it end
+    ("abort" if they had not finished), later ones end at once with an error; none is lost
+    (a request queued behind the shutdown used to never end: `LLM.generate` hung)."""
+    prompts, params = overload_workload()
+    llm = LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+              max_running_requests=MAX_RUNNING, max_total_tokens=POOL_TOKENS)
+    lock = threading.Lock()
+    finals: Counter[int] = Counter()
+    reasons: Counter[str] = Counter()
+    errors: set[str] = set()
+    late: list[int] = []
+    uids: list[int] = []
+    shut_down = threading.Event()
+
+    def on_output(out: RequestOutput) -> None:
+        with lock:
+            if finals[out.uid]:
+                late.append(out.uid)
+            if out.finished:
+                finals[out.uid] += 1
+                reasons[out.finish_reason] += 1
+                if out.finish_reason == "error":
+                    errors.add(out.error)
+
+    def client(offset: int) -> None:
+        after = 0
+        for i in range(offset, 10**6, 3):
+            uid = llm.scheduler.submit(prompts[i % NUM_REQUESTS], params[i % NUM_REQUESTS],
+                                       on_output)
+            with lock:
+                uids.append(uid)
+            if shut_down.is_set():
+                after += 1
+                if after == 20:
+                    return
+            time.sleep(0.002)
+
+    clients = [threading.Thread(target=client, args=(c,)) for c in range(3)]
+    for thread in clients:
+        thread.start()
+    time.sleep(2.0)
+    llm.shutdown()
+    shut_down.set()
+    for thread in clients:
+        thread.join(60)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sum(finals.values()) < len(uids):
+        time.sleep(0.05)
+    with lock:
+        lost = [uid for uid in uids if finals[uid] == 0]
+        print(f"\nshutdown under load: requests {len(uids)}, ended {sum(finals.values())} "
+              f"{dict(reasons)}, lost {len(lost)}, outputs after the final one {len(late)}")
+        assert not lost, f"{len(lost)} requests never ended, first uid {lost[0]}"
+        assert all(finals[uid] == 1 for uid in uids) and not late
+        assert reasons["abort"] > 0 and reasons["error"] >= 60
+        assert errors == {"the engine was shut down"}

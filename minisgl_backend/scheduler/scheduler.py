@@ -147,19 +147,25 @@ class Scheduler:
                callback: OutputCallback) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
-        An invalid request or a dead engine ends the request through `callback` with an error.
+        An invalid request, a dead engine or a scheduler that was shut down ends the request
+        through `callback` with an error. Uids follow the order requests are queued in.
         """
-        with self._uid_lock:
-            uid, self._next_uid = self._next_uid, self._next_uid + 1
         seed = params.seed if params.seed is not None else random.getrandbits(64)
-        req = Req(uid=uid, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
-                  sampling_params=params, seed=seed)
-        try:
-            self.check_request(req.prompt_len, params)
-        except ValueError as exc:
-            callback(RequestOutput(uid, [], "", True, "error", req.prompt_len, 0, str(exc)))
-            return uid
-        self._inbox.put(_Submit(req, callback))
+        with self._uid_lock:  # queued under the lock: nothing is queued after shutdown's None
+            uid, self._next_uid = self._next_uid, self._next_uid + 1
+            req = Req(uid=uid, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
+                      sampling_params=params, seed=seed)
+            try:
+                self.check_request(req.prompt_len, params)
+                error = None
+            except ValueError as exc:
+                error = str(exc)
+            if error is None and (self._shut_down or not self._thread.is_alive()):
+                error = "the engine was shut down" if self._shut_down else self.failure
+            if error is None:
+                self._inbox.put(_Submit(req, callback))
+                return uid
+        callback(RequestOutput(uid, [], "", True, "error", req.prompt_len, 0, error))
         return uid
 
     def abort(self, uid: int) -> None:
@@ -179,7 +185,8 @@ class Scheduler:
         return self._dead
 
     def shutdown(self) -> None:
-        self._shut_down = True
+        with self._uid_lock:  # a request queued after this would never end
+            self._shut_down = True
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
