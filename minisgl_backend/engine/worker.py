@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -25,7 +26,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     since all ranks sample the same tokens. A failure is reported as ERROR before exiting.
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on loopback
-    _exit_with_parent()
+    _exit_with_parent(os.path.dirname(init_file))
     from minisgl_backend.distributed import destroy_process_group
     from minisgl_backend.engine.engine import Engine
 
@@ -84,15 +85,17 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
         pending = handle
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(private_dir: str) -> None:
     """Exit as soon as the process that spawned this one is gone (killed, crashed), so that an
-    engine never outlives its scheduler, even mid-step."""
+    engine never outlives its scheduler, even mid-step; the private directory the scheduler
+    would have removed goes too."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
         parent.join()
+        shutil.rmtree(private_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="minisgl-parent-watch", daemon=True).start()
