@@ -240,3 +240,45 @@ def test_shutdown_under_load_ends_every_request(tiny_models: dict[str, Path]) ->
         assert all(finals[uid] == 1 for uid in uids) and not late
         assert reasons["abort"] > 0 and reasons["error"] >= 60
         assert errors == {"the engine was shut down"}
+
+
+def test_invalid_token_ids_amid_load_fail_alone(tiny_models: dict[str, Path], workload) -> None:  # noqa: ANN001
+    """Requests with prompt ids outside the vocabulary (negative ones killed the scheduler
+    thread: every request hung; too large ones failed the engine for every request) or stop
+    ids outside it with min_tokens (an IndexError in the engine) end with an error at once;
+    the overload workload around them still gets its outputs."""
+    prompts, params, alone = workload
+    bad = [([5, -1, 7], SamplingParams(max_tokens=4)),
+           ([5, 512, 7], SamplingParams(max_tokens=4)),
+           ([5, 6, 7], SamplingParams(max_tokens=4, stop_token_ids=[600], min_tokens=2))]
+    with LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+             max_running_requests=MAX_RUNNING, max_total_tokens=POOL_TOKENS) as llm:
+        results: dict[int, Track] = {}
+        lock = threading.Lock()
+        done = threading.Event()
+        total = len(prompts) + 2 * len(bad)
+
+        def on_output(out: RequestOutput) -> None:
+            with lock:
+                track = results.setdefault(out.uid, Track())
+                track.outputs.append(out)
+                if sum(t.finished for t in results.values()) == total:
+                    done.set()
+
+        good_uids, bad_uids = [], []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if i in (0, 20):  # one wave of invalid requests first, one among waiting requests
+                bad_uids += [llm.scheduler.submit(bp, bsp, on_output) for bp, bsp in bad]
+            good_uids.append(llm.scheduler.submit(p, sp, on_output))
+        assert done.wait(WAIT_S), "not every request ended"
+        stats = idle_stats(llm.scheduler)
+        failure = llm.scheduler.failure
+    errors = [results[u].outputs[-1].error for u in bad_uids]
+    print(f"\ninvalid ids amid load: {len(bad_uids)} invalid requests, errors {set(errors)}")
+    assert failure is None
+    assert all(results[u].outputs[-1].finish_reason == "error" for u in bad_uids)
+    assert all(len(results[u].outputs) == 1 for u in bad_uids)
+    assert set(errors) == {"prompt token ids must be in [0, 512)",
+                           "stop_token_ids must be below the vocabulary size 512"}
+    assert [results[u].result() for u in good_uids] == alone
+    assert stats.kv_pages_in_use == 0 and stats.running == 0 and stats.waiting == 0, stats

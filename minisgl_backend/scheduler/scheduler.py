@@ -25,6 +25,7 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
+from minisgl_backend.models.config import ModelConfig
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
@@ -100,6 +101,7 @@ class Scheduler:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.vocab_size = ModelConfig.from_folder(config.engine.model_dir).vocab_size
         self.engine = EngineClient(config.engine)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
@@ -157,7 +159,7 @@ class Scheduler:
                       sampling_params=params, seed=seed)
             try:
                 self.check_request(req.prompt_len, params)
-                error = None
+                error = self._check_token_ids(req.input_ids, params)
             except ValueError as exc:
                 error = str(exc)
             if error is None and (self._shut_down or not self._thread.is_alive()):
@@ -167,6 +169,16 @@ class Scheduler:
                 return uid
         callback(RequestOutput(uid, [], "", True, "error", req.prompt_len, 0, error))
         return uid
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
+        """The engine indexes its embedding with prompt ids and its logits with stop ids (for
+        min_tokens): an id outside the vocabulary would fail the engine for every request."""
+        vocab = self.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab})"
+        if any(t >= vocab for t in params.stop_token_ids):
+            return f"stop_token_ids must be below the vocabulary size {vocab}"
+        return None
 
     def abort(self, uid: int) -> None:
         self._inbox.put(_Abort(uid))
