@@ -45,13 +45,22 @@ class EngineMetrics:
         self.prompt = prompt.Metric(labels=labels)
         self.generated = generated.Metric(labels=labels)
         self.ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self._gauges = (self.pages_total, self.pages_in_use, self.pages_cached, self.running,
+                        self.waiting)
+        self._gauge_values: tuple[int, ...] = (-1,) * len(self._gauges)  # nothing set yet
 
     def update_gauges(self, stats: SchedulerStats) -> None:
-        self.pages_total.set(stats.kv_pages_total)
-        self.pages_in_use.set(stats.kv_pages_in_use)
-        self.pages_cached.set(stats.kv_pages_cached)
-        self.running.set(stats.running)
-        self.waiting.set(stats.waiting)
+        """Set the gauges whose value changed. Each `set` is a round trip to tritonserver that
+        holds the GIL while it waits: an idle model must make none, or a stub whose server
+        exited without unloading it blocks there forever (its watchdog never runs)."""
+        values = (stats.kv_pages_total, stats.kv_pages_in_use, stats.kv_pages_cached,
+                  stats.running, stats.waiting)
+        if values == self._gauge_values:
+            return
+        for gauge, value, old in zip(self._gauges, values, self._gauge_values):
+            if value != old:
+                gauge.set(value)
+        self._gauge_values = values
 
     def record_output(self, out: RequestOutput, first: bool, arrived: float) -> None:
         if out.token_ids:
