@@ -110,7 +110,9 @@ def prompt_token_ids(get: GetInput, tokenizer: Any,
                      limits: RequestLimits = RequestLimits()) -> list[int]:
     """`text_input` (plain, or chat when `apply_chat_template`) as the prompt's token ids."""
     texts = get("text_input")
-    if texts is None or texts.size != 1:
+    if texts is None:
+        raise RequestError("text_input is required")
+    if texts.size != 1:
         raise RequestError("text_input must hold exactly one string")
     raw = texts.reshape(-1)[0]
     if isinstance(raw, (bytes, str)) and len(raw) > limits.max_input_bytes:
