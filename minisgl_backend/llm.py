@@ -82,6 +82,7 @@ class LLM:
         from minisgl_backend.models import ModelConfig
 
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
+        self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
         engine = EngineConfig(
             model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
@@ -126,6 +127,8 @@ class LLM:
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"prompts[{index}] must be a string or a list of token ids")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompts[{index}] has token ids outside [0, {self.vocab_size})")
         return ids
 
     def shutdown(self) -> None:

@@ -104,6 +104,10 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10**7))
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()])
+    with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside"):
+        llm.generate([[5, 6], [7, -1]], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match=r"prompts\[0\] has token ids outside"):
+        llm.generate([[10**6]], SamplingParams(max_tokens=3))
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
 
 
