@@ -29,6 +29,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -73,7 +76,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE, logits / temperature would overflow float32: act greedy.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:
