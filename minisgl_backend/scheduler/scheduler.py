@@ -244,10 +244,14 @@ class Scheduler:
         for item in items:
             if item is None:
                 return False
-            if isinstance(item, _Abort):
-                self._abort(item.uid)
-            else:
-                self._accept(item)
+            try:
+                if isinstance(item, _Abort):
+                    self._abort(item.uid)
+                else:
+                    self._accept(item)
+            except Exception as exc:  # a bug: fail every request rather than hang them
+                logger.exception("scheduler failed to take a request")
+                self._die(f"scheduler error: {exc!r}")
         return True
 
     def _accept(self, item: _Submit) -> None:
