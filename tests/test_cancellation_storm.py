@@ -33,6 +33,7 @@ from tests.triton_fixtures import (  # noqa: F401 - triton_server is a fixture
     metrics,
     tensor,
     triton_server,
+    wait_engine_idle,
 )
 
 SEED = 4242
@@ -188,17 +189,6 @@ def run_stream(server: TritonServer, plan: Plan) -> StreamLog:
     return log
 
 
-def engine_idle(server: TritonServer, timeout: float) -> dict[str, float | None]:
-    deadline = time.monotonic() + timeout
-    while True:
-        sample = metrics(server)
-        idle = {k: sample.get(k) for k in ("minisgl_kv_pages_in_use", "minisgl_requests_running",
-                                           "minisgl_requests_waiting")}
-        if all(v == 0 for v in idle.values()) or time.monotonic() > deadline:
-            return idle
-        time.sleep(0.2)
-
-
 def good_answer(server: TritonServer) -> tuple[str, list[int]]:
     result = grpc_generate(server, ensemble_inputs(GOOD_PROMPT, GOOD_MAX_TOKENS, stream=True),
                            model="minisgl")
@@ -259,7 +249,7 @@ def test_cancellation_storm(server: TritonServer) -> None:
     assert not crashed, crashed[:3]
     assert not any(t.is_alive() for t in threads), "a stream worker did not finish"
 
-    idle = engine_idle(server, IDLE_TIMEOUT_S)
+    idle = wait_engine_idle(server, IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - started - storm_s
     ready = http_status(f"{server.http_url}/v2/health/ready")
     after_text = good_answer(server)

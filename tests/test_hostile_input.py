@@ -41,6 +41,7 @@ from tests.triton_fixtures import (  # noqa: F401 - triton_server is a fixture
     http_status,
     metrics,
     triton_server,
+    wait_engine_idle,
 )
 
 SEED = 20261129
@@ -653,17 +654,6 @@ class ReadyWatch:
         self._thread.join(timeout=10)
 
 
-def engine_idle(server: TritonServer, timeout: float) -> dict[str, float | None]:
-    deadline = time.monotonic() + timeout
-    while True:
-        sample = metrics(server)
-        idle = {k: sample.get(k) for k in ("minisgl_kv_pages_in_use", "minisgl_requests_running",
-                                           "minisgl_requests_waiting")}
-        if all(v == 0 for v in idle.values()) or time.monotonic() > deadline:
-            return idle
-        time.sleep(0.2)
-
-
 def baseline_of(server: TritonServer, model: str) -> Baseline:
     case = Case(kind="baseline", transport="http", model=model,
                 fields={"text_input": PROMPT, "max_tokens": MAX, "exclude_input_in_output": True})
@@ -700,7 +690,7 @@ def test_hostile_requests(server: TritonServer, default_model: Path) -> None:
     wrong = [(c.kind, c.transport, c.model, why) for c, (v, why) in zip(cases, verdicts)
              if v == "wrong"]
     lost = [(c.kind, c.transport, c.model) for c, (v, _) in zip(cases, verdicts) if v == "lost"]
-    idle = engine_idle(server, IDLE_TIMEOUT_S)
+    idle = wait_engine_idle(server, IDLE_TIMEOUT_S)
     after = baseline_of(server, "ensemble")
     after_direct = baseline_of(server, "minisgl")
     ready = http_status(f"{server.http_url}/v2/health/ready")

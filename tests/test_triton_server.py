@@ -29,6 +29,7 @@ from tests.triton_fixtures import (  # noqa: F401 - triton_server is a fixture
     metrics,
     tensor,
     triton_server,
+    wait_engine_idle,
 )
 
 PROMPT = "The capital of France is"
@@ -376,17 +377,6 @@ def test_cached_tokens_on_repeated_long_prompt(server: TritonServer, tokenizer) 
 
 
 # ----- 5. cancellation ----------------------------------------------------------------------
-
-
-def wait_engine_idle(server: TritonServer, timeout: float = 5.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        sample = metrics(server)
-        idle = {k: sample.get(k) for k in ("minisgl_kv_pages_in_use", "minisgl_requests_running",
-                                           "minisgl_requests_waiting")}
-        if all(v == 0 for v in idle.values()) or time.monotonic() > deadline:
-            return idle
-        time.sleep(0.1)
 
 
 def cancel_long_stream(server: TritonServer, model: str, inputs: list) -> None:

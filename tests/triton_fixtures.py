@@ -303,6 +303,19 @@ def metrics(server: TritonServer, model: str = "minisgl") -> dict[str, float]:
     return samples
 
 
+def wait_engine_idle(server: TritonServer, timeout: float = 5.0) -> dict[str, float | None]:
+    """Poll the metrics until no KV page, running or waiting request is left (or `timeout`);
+    the last values seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sample = metrics(server)
+        idle = {k: sample.get(k) for k in ("minisgl_kv_pages_in_use", "minisgl_requests_running",
+                                           "minisgl_requests_waiting")}
+        if all(v == 0 for v in idle.values()) or time.monotonic() > deadline:
+            return idle
+        time.sleep(0.1)
+
+
 # ----- gRPC -----------------------------------------------------------------------------------
 
 
