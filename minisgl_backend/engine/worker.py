@@ -14,6 +14,7 @@ import numpy as np
 
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.profiling import profiled
 
 if TYPE_CHECKING:  # the engine (torch, models) is imported in the engine process only
     from minisgl_backend.engine.engine import Engine, StepHandle
@@ -36,7 +37,8 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "num_pages": np.asarray([engine.num_pages], dtype=np.int64),
             "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
         }))
-        _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
+        with profiled(f"engine-rank{rank}"):
+            _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
         exit_code = 0
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         exit_code = 0  # the scheduler went away: exit quietly

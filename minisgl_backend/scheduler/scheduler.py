@@ -26,6 +26,7 @@ from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.models.config import ModelConfig
+from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
@@ -211,6 +212,11 @@ class Scheduler:
         return self.prefill.has_work or self.decode.has_work or self.in_flight is not None
 
     def _run(self) -> None:
+        with profiled("scheduler"):
+            self._loop()
+        self._fail_all("abort", "the engine is shutting down")
+
+    def _loop(self) -> None:
         while True:
             if not self._drain_inbox(block=not self._busy):
                 break
@@ -223,7 +229,6 @@ class Scheduler:
                     logger.exception("scheduler step failed")
                     self._die(f"scheduler error: {exc!r}")
             self.stats = self._snapshot()
-        self._fail_all("abort", "the engine is shutting down")
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued submissions and aborts; False when asked to stop."""
