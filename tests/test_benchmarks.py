@@ -2,6 +2,7 @@
 
 The three scripts start together (they mostly wait on engine start-up), then each test checks
 that its script exited 0 and ended with a Markdown table of positive numbers.
+`bench_triton_offline.py` (offline API vs tritonserver + perf_analyzer) runs on its own.
 """
 
 from __future__ import annotations
@@ -107,6 +108,34 @@ def test_bench_mechanisms(outputs: dict[str, subprocess.CompletedProcess]) -> No
         ("radix cache", "off"), ("radix cache", "on")]
     assert rows[0]["speed-up"] == "1.00x"
     assert rows[4]["prompt cache hits"] == "0.0%"  # the naive cache never shares
+
+
+def test_bench_triton_offline() -> None:
+    """Offline API and tritonserver + perf_analyzer on the same 4 requests (CPU, about 30 s)."""
+    args = ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4", "--max-len", "12",
+            "--concurrency", "2"]
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bench_triton_offline.py"), *COMMON,
+                          *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    columns, rows = last_table(run.stdout)
+    assert tuple(columns) == ("concurrency", "path", "requests", "output tokens", "seconds",
+                              "output tok/s", "vs offline", "mean TTFT ms", "mean ITL ms",
+                              "mean in flight")
+    records = [dict(zip(columns, row)) for row in rows]
+    offline, served = "offline API", "tritonserver + perf_analyzer"
+    assert [(r["concurrency"], r["path"]) for r in records] == [
+        ("all", offline), ("2", offline), ("2", served)]
+    expected = anchor_workload(SHAPES["tiny-qwen3"]["vocab_size"], 4, 4, 12)
+    for record in records:
+        assert record["requests"] == "4" and int(record["output tokens"]) == \
+            expected.output_tokens, record
+        for column in ("seconds", "output tok/s", "mean TTFT ms", "mean ITL ms",
+                       "mean in flight"):
+            assert number(record[column]) > 0, record
+    assert [r["vs offline"] for r in records[:2]] == ["-", "-"]
+    assert records[2]["vs offline"].endswith("%") and number(records[2]["vs offline"]) > 0
+    assert number(records[2]["mean in flight"]) <= 2  # perf_analyzer kept at most 2 in flight
 
 
 # ----- the shared pieces, in-process ----------------------------------------------------------

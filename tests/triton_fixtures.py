@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from minisgl_backend.benchmark.tritonserver import free_ports, http_status
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0  # tritonserver itself waits up to 30 s (--exit-timeout-secs) for requests
@@ -32,19 +33,6 @@ MODEL = "ensemble"
 
 
 # ----- processes ------------------------------------------------------------------------------
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _proc_stat(pid: int) -> tuple[int, str] | None:
@@ -167,7 +155,7 @@ class TritonServer:
 
 def start_server(log_path: Path, extra_args: tuple[str, ...] = (),
                  repository: Path = REPO_ROOT / "model_repository") -> TritonServer:
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     command = (
         ". scripts/triton_env.sh && run_tritonserver "
         f"--model-repository={repository} "
@@ -210,16 +198,6 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 
 # ----- HTTP -----------------------------------------------------------------------------------
-
-
-def http_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (OSError, urllib.error.URLError):
-        return None
 
 
 def _post(url: str, body: dict[str, Any], timeout: float):  # noqa: ANN202
