@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl_backend.engine.sampler import (
@@ -10,6 +11,7 @@ from minisgl_backend.engine.sampler import (
     sample,
     seed_to_int64,
     seeded_uniform,
+    seeded_uniform_host,
 )
 
 VOCAB = 64
@@ -85,6 +87,28 @@ def test_seeded_uniform_known_values_are_stable() -> None:
     b = seeded_uniform(seeds.flip(0), pos.flip(0)).flip(0)
     assert torch.equal(a, b)
     assert torch.equal(a, seeded_uniform(seeds.clone(), pos.clone()))
+
+
+def test_host_uniforms_equal_device_uniforms_bit_for_bit() -> None:
+    rng = np.random.default_rng(3)
+    seeds = rng.integers(-(2**63), 2**63 - 1, size=500, dtype=np.int64)
+    seeds[:3] = [0, -1, -(2**63)]
+    positions = rng.integers(0, 2**40, size=500, dtype=np.int64)
+    host = seeded_uniform_host(seeds, positions)
+    assert host.dtype == np.float64
+    assert np.array_equal(host, seeded_uniform(torch.from_numpy(seeds),
+                                               torch.from_numpy(positions)).numpy())
+
+
+def test_precomputed_uniforms_give_the_same_samples() -> None:
+    logits = _random_logits(64, vocab=500)
+    params = _params(64, temperature=0.8, seed=12345)
+    params.top_k[::2] = 20  # half the rows take the sorted (top-k) path
+    params.any_filtered = True
+    expected = sample(logits, params)
+    params.uniform = torch.from_numpy(
+        seeded_uniform_host(params.seed.numpy(), params.position.numpy()))
+    assert torch.equal(sample(logits, params), expected)
 
 
 def test_greedy_is_argmax() -> None:

@@ -13,6 +13,7 @@ import torch
 
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.core import Batch
+from minisgl_backend.device_copy import stack_to_device
 from minisgl_backend.kvcache.pool import PagedKVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -34,9 +35,8 @@ def gather_page_indices(page_table: torch.Tensor, rows: torch.Tensor, pages: np.
     """The page ids of each request's first `pages[i]` pages, concatenated (no host sync)."""
     total = int(indptr[-1])
     device = page_table.device
-    counts = torch.from_numpy(pages).to(device, non_blocking=True)
+    counts, starts = stack_to_device([pages, indptr[:-1]], device)
     row_of = torch.repeat_interleave(rows, counts, output_size=total)
-    starts = torch.from_numpy(indptr[:-1].astype(np.int64)).to(device, non_blocking=True)
     col = torch.arange(total, device=device) - torch.repeat_interleave(starts, counts,
                                                                        output_size=total)
     indices = page_table[row_of, col]

@@ -25,6 +25,7 @@ from kernels.extend_attention import extend_attention
 from kernels.kv_store import _kv_store_kernel, store_kv
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.core import Batch
+from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.kvcache.pool import PagedKVPool
 
 DEFAULT_MAX_SPLITS = 16
@@ -72,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: Batch, page_table: torch.Tensor) -> None:
         bs = batch.size
         if batch.is_decode:
-            seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32).to(self.device)
+            seq_lens = host_to_device(batch.seq_lens, self.device, torch.int32)
             splits = self.num_splits(bs)
             batch.attn_metadata = TritonAttnMetadata(
                 page_table=page_table, rows=batch.rows, seq_lens=seq_lens, num_splits=splits,
@@ -82,8 +83,8 @@ class TritonAttentionBackend(AttentionBackend):
             return
         starts = [0, *accumulate(batch.extend_lens)][:-1]
         # One upload for the three vectors.
-        host = torch.tensor([batch.seq_lens, starts, batch.extend_lens], dtype=torch.int32)
-        seq_lens, q_starts, extend_lens = host.to(self.device).unbind(0)
+        seq_lens, q_starts, extend_lens = stack_to_device(
+            [batch.seq_lens, starts, batch.extend_lens], self.device, torch.int32)
         batch.attn_metadata = TritonAttnMetadata(
             page_table=page_table, rows=batch.rows, seq_lens=seq_lens, q_starts=q_starts,
             extend_lens=extend_lens, max_extend_len=max(batch.extend_lens),

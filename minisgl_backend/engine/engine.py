@@ -16,10 +16,11 @@ import torch
 from minisgl_backend.attention import create_attention_backend
 from minisgl_backend.attention.torch_ref import token_slots
 from minisgl_backend.core import Batch, Context, set_global_ctx
+from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
-from minisgl_backend.engine.sampler import SamplingTensors, sample
+from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.models import ModelConfig, create_model
 
@@ -111,10 +112,12 @@ class Engine:
                                       device=dev)
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
-        self.temperature = torch.zeros(num_rows, dtype=torch.float32, device=dev)
-        self.top_k = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
-        self.top_p = torch.ones(num_rows, dtype=torch.float32, device=dev)
-        self.seed = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+        # Sampling parameters per row, on the host: each sampled step uploads its rows' values
+        # (and their seeded uniforms) in two copies.
+        self.temperature = np.zeros(num_rows, dtype=np.float64)
+        self.top_k = np.full(num_rows, -1, dtype=np.int64)
+        self.top_p = np.ones(num_rows, dtype=np.float64)
+        self.seed = np.zeros(num_rows, dtype=np.int64)
         self.row_greedy = np.ones(num_rows, dtype=bool)
         self.row_filtered = np.zeros(num_rows, dtype=bool)  # top-k / top-p set (host copy)
         # min_tokens: stop ids of a row are masked while it samples positions below row_min_len.
@@ -173,7 +176,7 @@ class Engine:
         if batch.is_decode:
             next_positions = batch.positions + 1
         else:
-            next_positions = torch.tensor(batch.seq_lens, device=self.device)
+            next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:
@@ -192,12 +195,11 @@ class Engine:
         rows = msg["admit_rows"].astype(np.int64)
         self.row_pages[rows] = 0
         self.row_len[rows] = 0
-        idx = torch.from_numpy(rows).to(self.device)
         temps, top_k = msg["admit_temperature"], msg["admit_top_k"]
-        self.temperature[idx] = torch.from_numpy(temps.copy()).to(self.device)
-        self.top_k[idx] = torch.from_numpy(top_k.astype(np.int64)).to(self.device)
-        self.top_p[idx] = torch.from_numpy(msg["admit_top_p"].copy()).to(self.device)
-        self.seed[idx] = torch.from_numpy(msg["admit_seed"].copy()).to(self.device)
+        self.temperature[rows] = temps
+        self.top_k[rows] = top_k
+        self.top_p[rows] = msg["admit_top_p"]
+        self.seed[rows] = msg["admit_seed"]
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
         self.row_filtered[rows] = (top_k > 0) | (msg["admit_top_p"] < 1.0)
         self.row_min_len[rows] = 0
@@ -207,7 +209,7 @@ class Engine:
         ids = np.split(msg["min_stop_ids"].astype(np.int64), np.cumsum(counts)[:-1])
         for row, min_len, stop_ids in zip(msg["min_rows"].tolist(), msg["min_lens"].tolist(), ids):
             self.row_min_len[row] = min_len
-            self.row_stop_ids[row] = torch.from_numpy(stop_ids).to(self.device)
+            self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
                           seq_lens: list[int]) -> None:
@@ -221,25 +223,23 @@ class Engine:
             return
         row_of_page = np.repeat(rows, counts)
         cols = _ranges(self.row_pages[rows], counts)
-        row_t, col_t, page_t = self._to_device(row_of_page, cols, pages)
+        row_t, col_t, page_t = stack_to_device([row_of_page, cols, pages], self.device)
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
         np.add.at(self.row_pages, rows, counts)
 
     def _make_batch(self, rows: np.ndarray, msg: dict[str, np.ndarray]) -> Batch:
         dev = self.device
         if msg["is_prefill"][0]:
-            rows_t = torch.from_numpy(rows).to(dev)
+            rows_t = host_to_device(rows, dev)
             starts = msg["starts"].astype(np.int64)
             lens = msg["extend_lens"].astype(np.int64)
-            positions_np = _ranges(starts, lens)
-            row_of_token = torch.from_numpy(np.repeat(rows, lens)).to(dev)
-            positions = torch.from_numpy(positions_np).to(dev)
-            input_ids = torch.from_numpy(msg["tokens"].copy()).to(dev)
-            self.token_pool[row_of_token, positions] = input_ids
+            row_of_token, positions, input_ids = stack_to_device(
+                [np.repeat(rows, lens), _ranges(starts, lens), msg["tokens"]], dev)
+            self.token_pool[row_of_token, positions] = input_ids.to(torch.int32)
             self.row_len[rows] = starts + lens
             phase, extend_lens = "prefill", lens.tolist()
         else:
-            rows_t, positions = self._to_device(rows, self.row_len[rows])
+            rows_t, positions = stack_to_device([rows, self.row_len[rows]], dev)
             row_of_token = rows_t
             input_ids = self.token_pool[rows_t, positions]
             self.row_len[rows] += 1
@@ -249,16 +249,17 @@ class Engine:
                      out_slots=out_slots, extend_lens=extend_lens,
                      seq_lens=self.row_len[rows].tolist())
 
-    def _to_device(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Integer host arrays of one length as int64 device tensors, in one copy."""
-        packed = torch.from_numpy(np.stack(arrays).astype(np.int64, copy=False))
-        return tuple(packed.to(self.device, non_blocking=True).unbind(0))
-
     def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingTensors:
-        idx = torch.from_numpy(rows).to(self.device)
+        """The rows' sampling parameters on the device. `positions` (device) are those of the
+        tokens being sampled; on the host they are the rows' new lengths."""
+        dev = self.device
+        uniform = seeded_uniform_host(self.seed[rows], self.row_len[rows])
+        temperature, top_p, uniform = stack_to_device(
+            [self.temperature[rows], self.top_p[rows], uniform], dev, torch.float64)
+        top_k, seed = stack_to_device([self.top_k[rows], self.seed[rows]], dev)
         return SamplingTensors(
-            temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx],
-            seed=self.seed[idx], position=positions,
+            temperature=temperature.float(), top_k=top_k, top_p=top_p.float(), seed=seed,
+            position=positions, uniform=uniform,
             all_greedy=bool(self.row_greedy[rows].all()),
             any_filtered=bool((self.row_filtered[rows] & ~self.row_greedy[rows]).any()),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -28,6 +29,9 @@ class SamplingTensors:
     position: torch.Tensor  # [bs] int64: index in its sequence of the token being sampled
     all_greedy: bool  # fast path: every row greedy -> pure argmax, no randomness
     any_filtered: bool = True  # some row may use top-k / top-p (False skips the vocab sort)
+    # seeded_uniform(seed, position), when computed on the host (`seeded_uniform_host`): one
+    # upload instead of ~40 small kernels per step.
+    uniform: torch.Tensor | None = None  # [bs] float64
 
 
 def seed_to_int64(seed: int) -> int:
@@ -64,8 +68,13 @@ def make_sampling_tensors(
     )
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2**32 for int64 tensors x in [0, 2**32), without int64 overflow."""
+# The hash below runs unchanged on int64 torch tensors and int64 numpy arrays (same operators,
+# same arithmetic shifts), so host and device give the same bits.
+IntArray = torch.Tensor | np.ndarray
+
+
+def _mul32(x: IntArray, m: int) -> IntArray:
+    """(x * m) mod 2**32 for int64 values x in [0, 2**32), without int64 overflow."""
     # A multiplier >= 2**31 is replaced by m - 2**32 (same residue mod 2**32), so that
     # |x * m| < 2**32 * 2**31 = 2**63 always; masking a negative int64 keeps the right residue.
     if m >= 1 << 31:
@@ -73,8 +82,8 @@ def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
     return (x * m) & _MASK32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Bijective 32-bit integer hash (MurmurHash3 fmix32) on int64 tensors in [0, 2**32)."""
+def _mix32(x: IntArray) -> IntArray:
+    """Bijective 32-bit integer hash (MurmurHash3 fmix32) on int64 values in [0, 2**32)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -88,14 +97,22 @@ def seeded_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     `seed` holds 64-bit seeds as int64 bit patterns and `position` int64 positions; both halves
     of each are mixed in. Only exact integer ops are used, so every device gives the same bits.
     """
-    seed = seed.to(torch.int64)
-    position = position.to(device=seed.device, dtype=torch.int64)
+    h = _hash32(seed.to(torch.int64), position.to(device=seed.device, dtype=torch.int64))
+    return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+def seeded_uniform_host(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """`seeded_uniform` on the host (numpy), bit for bit."""
+    h = _hash32(seed.astype(np.int64), position.astype(np.int64))
+    return (h.astype(np.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+def _hash32(seed: IntArray, position: IntArray) -> IntArray:
     # The arithmetic shift of negative values is fine: only the masked low 32 bits are used.
     h = _mix32((seed & _MASK32) ^ 0x9E3779B9)
     h = _mix32(h ^ ((seed >> 32) & _MASK32))
     h = _mix32(h ^ (position & _MASK32))
-    h = _mix32(h ^ ((position >> 32) & _MASK32))
-    return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+    return _mix32(h ^ ((position >> 32) & _MASK32))
 
 
 def _greedy_rows(params: SamplingTensors) -> torch.Tensor:
@@ -166,7 +183,9 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     temperature = params.temperature.to(device=device, dtype=torch.float32)
     temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temperature.unsqueeze(1)
-    uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
+    uniform = params.uniform
+    if uniform is None:
+        uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
     sampled_ids = _sample_unsorted(scaled, uniform)
     if params.any_filtered:
         # Stable sort: ties are ordered by token id, so the result never depends on the kernel.

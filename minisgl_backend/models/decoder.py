@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minisgl_backend.core import Context, get_global_ctx
+from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_backend.layers.fast_ops import silu_and_mul, use_triton_kernels
 from minisgl_backend.layers.linear import (
@@ -140,7 +141,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch.positions, self.rope)
         if batch.is_prefill:  # only the last token of each request is sampled
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            last = host_to_device(batch.extend_lens, x.device).cumsum(0) - 1
             x, residual = x[last], residual[last]
         x, _ = self.model.norm.forward_with_residual(x, residual)
         return self.lm_head(x).float()
