@@ -50,6 +50,11 @@ class EngineClient:
         self.max_seq_len = int(ready[0]["max_seq_len"][0])
 
     @property
+    def private_dir(self) -> str:
+        """The folder (mode 0700) of the ranks' rendezvous file; removed on shutdown."""
+        return self._tmpdir
+
+    @property
     def alive(self) -> bool:
         return self._dead is None and all(p.is_alive() for p in self._procs)
 

@@ -75,7 +75,8 @@ class TritonPythonModel:
         self.thread = threading.Thread(target=self._respond_loop, name="minisgl-responses",
                                        daemon=True)
         self.thread.start()
-        exit_with_server(self.name, lambda: self.scheduler.engine.shutdown(timeout=1.0))
+        exit_with_server(self.name, lambda: self.scheduler.engine.shutdown(timeout=1.0),
+                         private_dirs=[self.scheduler.engine.private_dir])
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:

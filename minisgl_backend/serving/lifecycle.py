@@ -3,25 +3,28 @@
 When tritonserver exits abruptly (a crash, SIGKILL, or its exit timeout running out with
 requests in flight), a Python backend stub may be left waiting on a server that is gone. Each of
 our models starts a watchdog: once the stub has been re-parented (its server is gone), it runs
-the model's cleanup (bounded), removes the stub's shared-memory region, which nobody else will,
-and ends the process.
+the model's cleanup (bounded), removes the folders the cleanup would have removed (in case it
+ran out of time) and the stub's shared-memory region, which nobody else will, and ends the
+process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 CLEANUP_SECONDS = 5.0
 
 
-def exit_with_server(model_name: str, cleanup: Callable[[], None] | None = None) -> None:
+def exit_with_server(model_name: str, cleanup: Callable[[], None] | None = None,
+                     private_dirs: Sequence[str] = ()) -> None:
     server_pid = os.getppid()
 
     def watch() -> None:
@@ -33,6 +36,8 @@ def exit_with_server(model_name: str, cleanup: Callable[[], None] | None = None)
             worker = threading.Thread(target=cleanup, name="minisgl-cleanup", daemon=True)
             worker.start()
             worker.join(CLEANUP_SECONDS)
+        for folder in private_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
         _remove_own_shm_region()
         os._exit(1)
 
