@@ -26,8 +26,8 @@ from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.prefill import PrefillManager
-from minisgl_backend.scheduler.table import RowAllocator
 from minisgl_backend.scheduler.scheduler import complete_step
+from minisgl_backend.scheduler.table import RowAllocator
 
 PAGE_SIZES = [1, 16]
 EOS = 0

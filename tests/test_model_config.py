@@ -17,7 +17,8 @@ LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0
 
 
 def test_transformers4_layout_with_llama3_rope_scaling() -> None:
-    raw = {**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING}}
+    scaling = {"rope_type": "llama3", **LLAMA3_SCALING}
+    raw = {**BASE, "rope_theta": 500000.0, "rope_scaling": scaling}
     config = ModelConfig.from_dict(raw)
     assert config.head_dim == 128
     assert config.rope.theta == 500000.0 and config.rope.rope_type == "llama3"

@@ -116,7 +116,8 @@ class WeightLoader:
         for e in range(self.config.num_experts):
             base = f"{m.group(1)}.experts.{e}"
             gate = self.reader.rows(f"{base}.gate_proj.weight", start, stop)
-            experts.append(torch.cat([gate, self.reader.rows(f"{base}.up_proj.weight", start, stop)]))
+            up = self.reader.rows(f"{base}.up_proj.weight", start, stop)
+            experts.append(torch.cat([gate, up]))
         return torch.stack(experts)
 
     def _experts_w2(self, m: re.Match[str]) -> torch.Tensor:
@@ -128,7 +129,8 @@ class WeightLoader:
 
     def _vocab(self, m: re.Match[str]) -> torch.Tensor:
         name = m.group(0)
-        if name == "lm_head.weight" and (self.config.tie_word_embeddings or name not in self.reader):
+        tied = self.config.tie_word_embeddings or name not in self.reader
+        if name == "lm_head.weight" and tied:
             name = "model.embed_tokens.weight"
         start, shard = vocab_shard(self.config.vocab_size)
         rows = self.reader.rows(name, start, min(start + shard, self.config.vocab_size))
