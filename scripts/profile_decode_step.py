@@ -3,7 +3,7 @@
 For each attention backend and batch size it prints: the device time of one CUDA-graph replay
 (the GPU-bound floor), the host time of `Engine.launch` (what overlap must hide), one step run
 serially (launch + wait), and steps pipelined the way overlap runs them (launch N+1, then wait
-for N). With --trace, torch.profiler's top host-side ops of a few steps follow.
+for N). With --trace, torch.profiler's top host-side ops and GPU kernels of ten steps follow.
 
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 1 64
 """
@@ -109,10 +109,14 @@ def print_trace(engine: Engine, bs: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for msg in decodes[20:]:
             engine.launch(msg).wait()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    averages = prof.key_averages()
+    print(f"10 decode steps at batch {bs}: host ops by own CPU time")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
+    print(f"10 decode steps at batch {bs}: GPU kernels (CUDA-graph replays included)")
+    print(averages.table(sort_by="self_device_time_total", row_limit=25))
 
 
 def main() -> None:

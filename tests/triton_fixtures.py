@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from minisgl_backend.benchmark.tritonserver import free_ports, http_status
+from minisgl_backend.benchmark.tritonserver import Tritonserver, free_ports, http_status
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
@@ -102,31 +102,8 @@ def engine_pids(server_pid: int, model: str = "minisgl") -> list[int]:
             if "spawn_main" in " ".join(_cmdline(pid))]
 
 
-@dataclass
-class TritonServer:
-    process: subprocess.Popen
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    log_path: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def log_tail(self, chars: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as exc:
-            return f"(no log: {exc})"
+class TritonServer(Tritonserver):
+    """The package's server handle; `stop` here also reports what outlived the server."""
 
     def stop(self) -> dict[int, str]:
         """SIGTERM, wait (SIGKILL after STOP_TIMEOUT_S); return the processes left behind
@@ -265,20 +242,7 @@ def http_generate_stream(server: TritonServer, body: dict[str, Any],
 
 
 def metrics(server: TritonServer, model: str = "minisgl") -> dict[str, float]:
-    """The `minisgl_*` samples of `model` (name with any extra labels -> value)."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    samples = {}
-    label = f'model="{model}"'
-    for line in text.splitlines():
-        if not line.startswith("minisgl_") or label not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        name, labels = key.split("{", 1)
-        extra = ",".join(part for part in labels.rstrip("}").split(",")
-                         if part and part != label)
-        samples[f"{name}{{{extra}}}" if extra else name] = float(value)
-    return samples
+    return server.model_metrics(model)
 
 
 def wait_engine_idle(server: TritonServer, timeout: float = 5.0) -> dict[str, float | None]:

@@ -92,6 +92,27 @@ class Tritonserver:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def model_metrics(self, model: str = "minisgl") -> dict[str, float]:
+        """The `minisgl_*` samples of `model` on /metrics (name, with any labels other than
+        the model's, -> value)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        samples = {}
+        label = f'model="{model}"'
+        for line in text.splitlines():
+            if not line.startswith("minisgl_") or label not in line:
+                continue
+            key, value = line.rsplit(" ", 1)
+            name, labels = key.split("{", 1)
+            extra = ",".join(part for part in labels.rstrip("}").split(",")
+                             if part and part != label)
+            samples[f"{name}{{{extra}}}" if extra else name] = float(value)
+        return samples
+
     def log_tail(self, chars: int = 6000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from minisgl_backend.core import Req
@@ -24,6 +25,18 @@ class RequestOutput:
 
 
 OutputCallback = Callable[[RequestOutput], None]
+
+
+def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
+    """Consecutive deltas of one request joined into one (tokens and text concatenated; the
+    end, if any, is the last one's): what a streaming client gets when they are sent together.
+    An error end stays a delta of its own, so that the tokens before it still arrive."""
+    if len(deltas) == 1:
+        return list(deltas)
+    if deltas[-1].error is not None:
+        return [*merge_deltas(deltas[:-1]), deltas[-1]]
+    return [replace(deltas[-1], token_ids=[t for d in deltas for t in d.token_ids],
+                    text="".join(d.text for d in deltas))]
 
 
 class OutputTracker:

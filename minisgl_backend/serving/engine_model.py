@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from minisgl_backend.llm import LLM
 from minisgl_backend.models import ModelConfig
 from minisgl_backend.scheduler import RequestOutput
+from minisgl_backend.scheduler.output import merge_deltas
 from minisgl_backend.serving.lifecycle import exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
@@ -35,6 +36,10 @@ from minisgl_backend.serving.tensors import input_getter
 
 logger = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.02
+# Each is_cancelled() is a round trip to tritonserver: with many requests in flight, poll less
+# often (about 0.5 ms of polling per request and per poll at most every this many seconds).
+CANCEL_POLL_SECONDS_PER_REQUEST = 0.0005
+MAX_OUTPUTS_PER_ROUND = 4096
 READY_CHECK_SECONDS = 0.5
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -105,16 +110,20 @@ class TritonPythonModel:
         last_poll = last_ready_check = 0.0
         while True:
             try:
-                item = self.outputs.get(timeout=CANCEL_POLL_SECONDS)
+                items = [self.outputs.get(timeout=CANCEL_POLL_SECONDS)]
             except queue.Empty:
-                item = False
-            if item is None:
-                break
+                items = []
+            stopping = self._drain_outputs(items)
             self._take_submitted()
-            if item:
-                self._respond(*item)
+            for state, deltas in _group_by_request(items):
+                for out in merge_deltas(deltas):
+                    self._respond(state, out)
+            if stopping:
+                break
             now = time.monotonic()
-            if now - last_poll >= CANCEL_POLL_SECONDS:
+            poll_every = max(CANCEL_POLL_SECONDS,
+                             CANCEL_POLL_SECONDS_PER_REQUEST * len(self.active))
+            if now - last_poll >= poll_every:
                 last_poll = now
                 self._poll_cancelled()
                 self.metrics.update_gauges(self.scheduler.stats)
@@ -123,6 +132,20 @@ class TritonPythonModel:
             if self.active and now - last_ready_check >= READY_CHECK_SECONDS:
                 last_ready_check = now
                 self._check_server_ready()
+
+    def _drain_outputs(self, items: list) -> bool:
+        """Append every output already queued (a request's deltas that piled up while responses
+        were being sent go out as one response: under load fewer, larger responses keep the
+        stream up with the engine). True when the end-of-outputs marker was seen."""
+        while len(items) < MAX_OUTPUTS_PER_ROUND and (not items or items[-1] is not None):
+            try:
+                items.append(self.outputs.get_nowait())
+            except queue.Empty:
+                break
+        if items and items[-1] is None:
+            items.pop()
+            return True
+        return False
 
     def _check_server_ready(self) -> None:
         """Once tritonserver is stopping, end every request in flight: it waits for them (up
@@ -232,6 +255,15 @@ class TritonPythonModel:
         self.llm.shutdown()  # ends every request still running with an "abort" output
         self.outputs.put(None)
         self.thread.join(timeout=10)
+
+
+def _group_by_request(items: list[tuple[ActiveRequest, RequestOutput]]
+                      ) -> list[tuple[ActiveRequest, list[RequestOutput]]]:
+    """Outputs grouped per request, in order (requests by their first output)."""
+    groups: dict[int, tuple[ActiveRequest, list[RequestOutput]]] = {}
+    for state, out in items:
+        groups.setdefault(id(state), (state, []))[1].append(out)
+    return list(groups.values())
 
 
 def _int_tensor(name: str, value: int) -> Any:
