@@ -22,7 +22,7 @@ from minisgl_backend.llm import LLM
 from minisgl_backend.models import ModelConfig
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.output import merge_deltas
-from minisgl_backend.serving.lifecycle import exit_with_server
+from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
 from minisgl_backend.serving.settings import (
@@ -62,6 +62,7 @@ class ActiveRequest:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        dump_stacks_on_sigusr1()
         config = load_model_config(args)
         parameters = model_parameters(config)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
@@ -75,11 +76,17 @@ class TritonPythonModel:
         self.metrics = EngineMetrics(self.name)
         self.outputs: queue.SimpleQueue[tuple[ActiveRequest, RequestOutput] | None] = \
             queue.SimpleQueue()
-        self.active: dict[int, ActiveRequest] = {}  # uid -> request, response thread only
+        self.active: dict[int, ActiveRequest] = {}  # uid -> request not ended yet
+        self.active_lock = threading.Lock()
         self.submitted: queue.SimpleQueue[ActiveRequest] = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        # Two threads: one only sends responses; the other makes the round trips to the server
+        # that may block while it shuts down (is_cancelled, readiness, gauges), so that those
+        # never hold up a final response.
         self.thread = threading.Thread(target=self._respond_loop, name="minisgl-responses",
                                        daemon=True)
         self.thread.start()
+        threading.Thread(target=self._poll_loop, name="minisgl-server-poll", daemon=True).start()
         exit_with_server(self.name, lambda: self.scheduler.engine.shutdown(timeout=1.0),
                          private_dirs=[self.scheduler.engine.private_dir])
 
@@ -107,7 +114,6 @@ class TritonPythonModel:
     # ----- response thread ------------------------------------------------------------------
 
     def _respond_loop(self) -> None:
-        last_poll = last_ready_check = 0.0
         while True:
             try:
                 items = [self.outputs.get(timeout=CANCEL_POLL_SECONDS)]
@@ -120,18 +126,25 @@ class TritonPythonModel:
                     self._respond(state, out)
             if stopping:
                 break
+
+    def _poll_loop(self) -> None:
+        """Cancellations, engine failure and gauges every 20 ms (less often with many requests
+        in flight: each is_cancelled() is a round trip), the server's readiness every 0.5 s."""
+        last_ready_check = 0.0
+        while not self.stopping.wait(max(CANCEL_POLL_SECONDS,
+                                          CANCEL_POLL_SECONDS_PER_REQUEST * len(self.active))):
+            self._poll_cancelled()
+            self.metrics.update_gauges(self.scheduler.stats)
+            if not self.failed and self.scheduler.failure is not None:
+                self._on_engine_failure(self.scheduler.failure)
             now = time.monotonic()
-            poll_every = max(CANCEL_POLL_SECONDS,
-                             CANCEL_POLL_SECONDS_PER_REQUEST * len(self.active))
-            if now - last_poll >= poll_every:
-                last_poll = now
-                self._poll_cancelled()
-                self.metrics.update_gauges(self.scheduler.stats)
-                if not self.failed and self.scheduler.failure is not None:
-                    self._on_engine_failure(self.scheduler.failure)
             if self.active and now - last_ready_check >= READY_CHECK_SECONDS:
                 last_ready_check = now
                 self._check_server_ready()
+
+    def _active_requests(self) -> list[ActiveRequest]:
+        with self.active_lock:
+            return list(self.active.values())
 
     def _drain_outputs(self, items: list) -> bool:
         """Append every output already queued (a request's deltas that piled up while responses
@@ -161,7 +174,7 @@ class TritonPythonModel:
             logger.warning("model %s is no longer ready: ending %d requests in flight",
                            self.name, len(self.active))
             self.ending = True
-        for state in list(self.active.values()):
+        for state in self._active_requests():
             if not state.cancelled:
                 state.cancelled = True
                 self.scheduler.abort(state.uid)
@@ -188,10 +201,11 @@ class TritonPythonModel:
             except queue.Empty:
                 return
             if not state.done:  # it may have finished before it was registered
-                self.active[state.uid] = state
+                with self.active_lock:
+                    self.active[state.uid] = state
 
     def _poll_cancelled(self) -> None:
-        for state in list(self.active.values()):
+        for state in self._active_requests():
             if not state.cancelled and state.request.is_cancelled():
                 state.cancelled = True
                 self.scheduler.abort(state.uid)
@@ -223,7 +237,8 @@ class TritonPythonModel:
                 self.scheduler.abort(state.uid)
         if out.finished:
             state.done = True
-            self.active.pop(state.uid, None)
+            with self.active_lock:
+                self.active.pop(state.uid, None)
 
     def _send_error(self, state: ActiveRequest, out: RequestOutput) -> None:
         if out.finish_reason == "abort" and state.cancelled:
@@ -252,6 +267,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self) -> None:
+        self.stopping.set()
         self.llm.shutdown()  # ends every request still running with an "abort" output
         self.outputs.put(None)
         self.thread.join(timeout=10)

@@ -10,9 +10,11 @@ process.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,12 @@ from typing import Callable, Sequence
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 CLEANUP_SECONDS = 5.0
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <stub pid>` writes every thread's Python stack to the server log (a stuck
+    stub, e.g. at shutdown, can then be diagnosed without a debugger)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def exit_with_server(model_name: str, cleanup: Callable[[], None] | None = None,
