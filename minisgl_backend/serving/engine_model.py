@@ -80,9 +80,9 @@ class TritonPythonModel:
         self.active_lock = threading.Lock()
         self.submitted: queue.SimpleQueue[ActiveRequest] = queue.SimpleQueue()
         self.stopping = threading.Event()
-        # Two threads: one only sends responses; the other makes the round trips to the server
-        # that may block while it shuts down (is_cancelled, readiness, gauges), so that those
-        # never hold up a final response.
+        # Two threads: one sends responses (and polls cancellations, which must not race with
+        # them); the other makes the round trips to the server that may block while it shuts
+        # down (readiness, gauges), so that those never hold up a final response.
         self.thread = threading.Thread(target=self._respond_loop, name="minisgl-responses",
                                        daemon=True)
         self.thread.start()
@@ -114,6 +114,9 @@ class TritonPythonModel:
     # ----- response thread ------------------------------------------------------------------
 
     def _respond_loop(self) -> None:
+        """Responses, and cancellations: is_cancelled() must not race with a request's final
+        response (Triton frees the request's response factory then), so both happen here."""
+        last_poll = 0.0
         while True:
             try:
                 items = [self.outputs.get(timeout=CANCEL_POLL_SECONDS)]
@@ -126,14 +129,17 @@ class TritonPythonModel:
                     self._respond(state, out)
             if stopping:
                 break
+            # Each is_cancelled() is a round trip: with many requests in flight, poll less often.
+            now = time.monotonic()
+            if now - last_poll >= max(CANCEL_POLL_SECONDS,
+                                      CANCEL_POLL_SECONDS_PER_REQUEST * len(self.active)):
+                last_poll = now
+                self._poll_cancelled()
 
     def _poll_loop(self) -> None:
-        """Cancellations, engine failure and gauges every 20 ms (less often with many requests
-        in flight: each is_cancelled() is a round trip), the server's readiness every 0.5 s."""
+        """Engine failure and gauges every 20 ms, the server's readiness every 0.5 s."""
         last_ready_check = 0.0
-        while not self.stopping.wait(max(CANCEL_POLL_SECONDS,
-                                          CANCEL_POLL_SECONDS_PER_REQUEST * len(self.active))):
-            self._poll_cancelled()
+        while not self.stopping.wait(CANCEL_POLL_SECONDS):
             self.metrics.update_gauges(self.scheduler.stats)
             if not self.failed and self.scheduler.failure is not None:
                 self._on_engine_failure(self.scheduler.failure)
