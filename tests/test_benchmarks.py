@@ -187,3 +187,16 @@ def test_moe_weight_bytes_scale_with_routed_experts() -> None:
 def test_report_helpers() -> None:
     assert human_bytes(16.06e9) == "16.06 GB" and human_bytes(4.8e12) == "4.8 TB"
     assert markdown_table(("a", "b"), [["1", "2"]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_warm_kernels_runs_every_variant() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "warm_kernels.py"), "--device", "cpu", "--shapes",
+         "tiny-qwen3", "tiny-llama", "--backends", "torch", "--page-sizes", "16", "1"],
+        capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "warm after" in line]
+    assert [line.split(":")[0] for line in lines] == [
+        "tiny-qwen3, torch, page 16", "tiny-qwen3, torch, page 1",
+        "tiny-llama, torch, page 16", "tiny-llama, torch, page 1"]
+

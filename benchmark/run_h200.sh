@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of issue 4 in one go on an H200 host, each step bounded in time
+# so that a device lease is used to the end: kernels compiled first (scripts/warm_kernels.py, in
+# the background on the last GPU while the Triton-only GPU tests run), then the FlashInfer and
+# tensor-parallel GPU tests, then the benchmarks recorded in benchmark/RESULTS.md.
+#
+#   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
+#
+# Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
+# skipped and say so), STEPS (which steps, default all: tests offline decode mechanisms
+# profile triton tp). flashinfer must be importable; the `triton` step needs tritonserver and
+# perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-h200-logs}; mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-3000}
+STEPS=${STEPS:-tests offline decode mechanisms profile triton tp}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+T0=$SECONDS
+
+# step SECONDS NAME COMMAND...: run COMMAND (output to OUT/NAME.log, its tail echoed) if it
+# fits in what is left of the budget, stopped after SECONDS.
+step() {
+  local limit=$1 name=$2; shift 2
+  if [ $((SECONDS - T0 + limit)) -gt "$BUDGET_S" ]; then echo "== $name: skipped (budget)"; return; fi
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? at $((SECONDS - T0)) s"; tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+
+echo "== $GPUS GPU(s); steps: $STEPS; budget $BUDGET_S s"
+CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout 900 python3 scripts/warm_kernels.py > "$OUT/warm.log" 2>&1 &
+WARM=$!
+if wants tests; then
+  CUDA_VISIBLE_DEVICES=0 step 600 tests-triton python3 -m pytest -q -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_qkv_prologue.py tests/test_fused_moe.py \
+    tests/test_gpu_engine.py -k "not flashinfer and not tensor_parallel"
+fi
+wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
+wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprovider \
+  tests/test_gpu_engine.py tests/test_triton_attention.py -k "flashinfer or tensor_parallel"
+export CUDA_VISIBLE_DEVICES=0
+for shape in qwen3-0.6b llama-3.1-8b; do
+  wants offline && TAIL=1 step 180 "offline-$shape" python3 scripts/bench_offline.py \
+    --shape "$shape" --page-size 16
+done
+if wants decode; then
+  step 600 decode-llama-3.1-8b python3 scripts/bench_decode.py --shape llama-3.1-8b \
+    --new-tokens 256 --repeats 1
+  TAIL=3 step 120 decode-qwen3-0.6b-graphs python3 scripts/bench_decode.py --shape qwen3-0.6b \
+    --batch-sizes 1 --new-tokens 256 --skip-hf
+  TAIL=3 step 120 decode-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
+    --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
+fi
+wants mechanisms && TAIL=9 step 300 mechanisms-qwen3-0.6b python3 scripts/bench_mechanisms.py \
+  --shape qwen3-0.6b --page-size 16
+wants profile && TAIL=40 step 180 profile-llama-3.1-8b python3 scripts/profile_decode_step.py \
+  --shape llama-3.1-8b --batch-sizes 1 --steps 60 --backends triton --trace
+if wants triton && command -v tritonserver > /dev/null && command -v perf_analyzer > /dev/null; then
+  TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
+    --page-size 16 --concurrency 64 256
+fi
+unset CUDA_VISIBLE_DEVICES
+if wants tp && [ "$GPUS" -ge 2 ]; then
+  TAIL=1 step 240 offline-llama-3.1-8b-tp2 python3 scripts/bench_offline.py \
+    --shape llama-3.1-8b --page-size 16 --tp-size 2
+  TAIL=3 step 180 decode-llama-3.1-8b-tp2 python3 scripts/bench_decode.py --shape llama-3.1-8b \
+    --batch-sizes 1 --new-tokens 256 --skip-hf --tp-size 2
+fi
+echo "== done at $((SECONDS - T0)) s; logs in $OUT"
