@@ -93,7 +93,8 @@ class LLM:
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks)
-        self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer))
+        self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
+                                   model_config.vocab_size)
 
     def generate(
         self,

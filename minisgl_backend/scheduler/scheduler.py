@@ -25,7 +25,6 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
-from minisgl_backend.models.config import ModelConfig
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
@@ -96,13 +95,14 @@ def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
 class Scheduler:
     """Runs requests to completion on the engine processes; thread-safe `submit` / `abort`."""
 
-    def __init__(self, config: SchedulerConfig, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, config: SchedulerConfig, tokenizer: Any, eos_ids: frozenset[int],
+                 vocab_size: int) -> None:
         if config.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be >= 1")
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.vocab_size = ModelConfig.from_folder(config.engine.model_dir).vocab_size
+        self.vocab_size = vocab_size  # token ids must be below it
         self.engine = EngineClient(config.engine)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,

@@ -19,7 +19,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from minisgl_backend.llm import LLM
-from minisgl_backend.models import ModelConfig
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.output import merge_deltas
 from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
@@ -68,7 +67,6 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.llm = LLM(model_dir, **engine_settings(parameters))
         self.limits = request_limits(parameters)
-        self.vocab_size = ModelConfig.from_folder(model_dir).vocab_size  # token ids must be below
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
         self.failed = False  # the engine died; see _on_engine_failure
@@ -100,7 +98,7 @@ class TritonPythonModel:
 
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
-                                          self.llm.tokenizer, self.limits, self.vocab_size)
+                                          self.llm.tokenizer, self.limits, self.llm.vocab_size)
             self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),

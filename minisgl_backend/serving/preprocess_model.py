@@ -22,11 +22,12 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         from transformers import AutoTokenizer
 
-        parameters = model_parameters(load_model_config(args))
+        config = load_model_config(args)
+        parameters = model_parameters(config)
         self.limits = request_limits(parameters)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        exit_with_server(load_model_config(args)["name"])
+        exit_with_server(config["name"])
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._tokenize(request) for request in requests]
