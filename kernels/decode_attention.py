@@ -1,11 +1,12 @@
 """Paged decode attention (one query token per request) with GQA, split over the KV length.
 
-Flash-decoding in two kernels:
-  stage 1, grid (requests, kv_heads, num_splits): each program takes one contiguous slice of a
-    request's tokens and attends all query heads of one KV group to it at once (the group is one
-    `tl.dot` operand, padded to 16 rows), writing a normalized partial output and its
-    log-sum-exp (base 2) per query head;
-  stage 2, grid (requests, heads): merges the partials of all splits.
+Flash-decoding in one kernel, grid (requests, kv_heads, num_splits): each program takes one
+contiguous slice of a request's tokens and attends all query heads of one KV group to it at
+once (the group is one `tl.dot` operand, padded to 16 rows). With one split a program writes
+the output itself. With several, each writes a normalized partial output and its log-sum-exp
+(base 2) per query head, counts itself in on the (request, KV head)'s arrival counter, and the
+last program to arrive merges the group's partials into the output and resets the counter
+(`fold_merge=False` leaves the merge to a second kernel instead, grid (requests, kv_heads)).
 The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
 launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
 divided among the splits inside the kernel, and splits past its end produce empty partials.
@@ -14,6 +15,9 @@ divided among the splits inside the kernel, and splits past its end produce empt
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -24,18 +28,48 @@ MIN_DOT = 16  # tl.dot operands need every dimension >= 16
 
 
 @triton.jit
+def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, heads, g_mask, d, d_mask,
+                 stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+                 stride_o_tok, stride_o_head,
+                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Merge the NUM_SPLITS partials of the query heads `heads` of request `req` into o.
+    Loads bypass L1 (.cg): the partials were written by other programs of the same launch."""
+    s = tl.arange(0, BLOCK_S)
+    lse_row = part_lse_ptr + req * stride_pl_req + heads * stride_pl_head
+    lse = tl.load(lse_row[:, None] + s[None, :], mask=g_mask[:, None] & (s < NUM_SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
+    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    part_row = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head + d[None, :]
+    for split in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(lse_row + split, mask=g_mask, other=float("-inf"),
+                                 cache_modifier=".cg") - m)
+        part = tl.load(part_row + split * stride_po_split, mask=g_mask[:, None] & d_mask[None, :],
+                       other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * part
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, rows_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr,
+    o_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     stride_q_tok, stride_q_head,
     stride_cache_slot, stride_cache_head,
     stride_pt_row,
+    stride_o_tok, stride_o_head,
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, FOLD_MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -50,6 +84,7 @@ def _decode_split_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
@@ -64,10 +99,15 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every block holds at least one valid key (pos = n0 < end), so the running max is finite.
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos = n0 + n
         n_mask = pos < end
-        page = tl.load(page_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        if PAGE_SIZE % BLOCK_N == 0:
+            # Blocks start at multiples of BLOCK_N, so a block lies inside one page.
+            page = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + n0 % PAGE_SIZE + n
+        else:
+            page = tl.load(page_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
         # K is loaded transposed, [BLOCK_D, BLOCK_N], to be the right operand of q @ k.
         k = tl.load(k_cache_ptr + kv_base + slot[None, :] * stride_cache_slot + d[:, None],
                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)
@@ -84,12 +124,29 @@ def _decode_split_kernel(
 
     nonempty = denom > 0
     out = acc / tl.where(nonempty, denom, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, denom, 1.0)), float("-inf"))
-    po = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head \
-        + split * stride_po_split + d[None, :]
-    tl.store(po, out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(part_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse,
-             mask=g_mask)
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head
+                 + d[None, :], out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, denom, 1.0)), float("-inf"))
+        po = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head \
+            + split * stride_po_split + d[None, :]
+        tl.store(po, out, mask=out_mask)
+        tl.store(part_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse,
+                 mask=g_mask)
+        if FOLD_MERGE:
+            # Every thread's partial is written before the counter moves (the barrier), and
+            # the counter's release/acquire makes them visible to the last program to arrive.
+            tl.debug_barrier()
+            counter = arrivals_ptr + req * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:
+                _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, heads, g_mask, d, d_mask,
+                             stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
+                             stride_pl_head, stride_o_tok, stride_o_head,
+                             NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
 
 @triton.jit
@@ -98,27 +155,51 @@ def _decode_merge_kernel(
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
     stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     req = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    d_mask = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s, mask=s_mask,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
-    w = tl.exp2(lse - m)
-    part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
-                   + s[:, None] * stride_po_split + d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
-             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, tl.program_id(1) * GROUP + g, g < GROUP,
+                 d, d < HEAD_DIM, stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
+                 stride_pl_head, stride_o_tok, stride_o_head,
+                 NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Tile and schedule of the decode kernel; `decode_launch` picks the defaults."""
+
+    block_n: int  # tokens per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+    fold_merge: bool = True  # merge the splits in the last program, not in a second kernel
+
+
+LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=3" (tuning)
+
+
+def decode_launch(head_dim: int, dtype: torch.dtype) -> DecodeLaunch:
+    """Defaults: 32 tokens per step for 16-bit heads up to 128 wide, else 16 (fp32 or wider
+    heads would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
+    element). `MINISGL_DECODE_LAUNCH` overrides fields for 16-bit heads (for tuning runs:
+    scripts/bench_kernels.py --sweep prints the candidates)."""
+    if dtype == torch.float32 or head_dim > 128:
+        return DecodeLaunch(block_n=16)
+    return DecodeLaunch(**{"block_n": 32, **_launch_override(os.environ.get(LAUNCH_ENV, ""))})
+
+
+@lru_cache(maxsize=None)
+def _launch_override(text: str) -> dict[str, int]:
+    fields = {"block_n", "num_warps", "num_stages", "fold_merge"}
+    override: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            raise ValueError(f"{LAUNCH_ENV}: {item!r} is not one of {sorted(fields)}=<integer>")
+        override[name] = int(value)
+    return override
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
@@ -131,22 +212,25 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
     return max(1, min(max_splits, triton.next_power_of_2(-(-target_programs // programs))))
 
 
-def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    """Tokens per loop step: 32 for 16-bit heads up to 128 wide, else 16 (fp32 or wider heads
-    would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
-    element)."""
-    return 32 if dtype != torch.float32 and head_dim <= 128 else 16
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Scratch of `decode_attention` with several splits: flat fp32 partial outputs and
+    log-sum-exps, and int32 arrival counters (zero between launches: the kernel resets them)."""
+
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    arrivals: torch.Tensor
 
 
 def decode_workspace(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat fp32 buffers for the partial outputs and log-sum-exps of `decode_attention`, big
-    enough for any batch up to `max_batch_size` with up to `max_splits` splits."""
-    partial_o = torch.empty(max_batch_size * num_heads * max_splits * head_dim,
-                            dtype=torch.float32, device=device)
-    partial_lse = torch.empty(max_batch_size * num_heads * max_splits, dtype=torch.float32,
-                              device=device)
-    return partial_o, partial_lse
+                     device: torch.device | str) -> DecodeWorkspace:
+    """Big enough for any batch up to `max_batch_size` with up to `max_splits` splits."""
+    slots = max_batch_size * num_heads * max_splits
+    return DecodeWorkspace(
+        partial_o=torch.empty(slots * head_dim, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(slots, dtype=torch.float32, device=device),
+        arrivals=torch.zeros(max_batch_size * num_heads, dtype=torch.int32, device=device),
+    )
 
 
 def decode_attention(
@@ -161,8 +245,8 @@ def decode_attention(
     sm_scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_n: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """q [bs, heads, head_dim] attends to its request's first seq_lens[i] tokens -> [bs, heads,
     head_dim] (in q's dtype, or written into `out`).
@@ -170,8 +254,8 @@ def decode_attention(
     k_cache/v_cache: flat pool views [slots, kv_heads, head_dim]; a request's token at position
     p lives in slot page_table[rows[i], p // page_size] * page_size + p % page_size.
     rows [bs] and seq_lens [bs] are device integer tensors (a length of 0 gives zeros).
-    `workspace` (from `decode_workspace`) avoids allocating the partials on every call; it must
-    hold at least bs * heads * num_splits * (head_dim + 1) floats in all.
+    `workspace` (from `decode_workspace`) avoids allocating the scratch on every call; it must
+    hold bs * heads * num_splits partials. `launch`: tiles and schedule (`decode_launch`).
     """
     bs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -180,41 +264,48 @@ def decode_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert rows.shape == (bs,) and seq_lens.shape == (bs,)
-    block_n = block_n or decode_block_n(head_dim, k_cache.dtype)
+    launch = launch or decode_launch(head_dim, k_cache.dtype)
+    block_n = launch.block_n
     assert num_splits >= 1 and block_n >= MIN_DOT and block_n & (block_n - 1) == 0
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
-    if workspace is None:
-        workspace = decode_workspace(bs, num_heads, head_dim, num_splits, q.device)
-    flat_o, flat_lse = workspace
-    assert flat_o.numel() >= bs * num_heads * num_splits * head_dim \
-        and flat_lse.numel() >= bs * num_heads * num_splits, "decode workspace too small"
-    partial_o = flat_o[: bs * num_heads * num_splits * head_dim].view(
-        bs, num_heads, num_splits, head_dim)
-    partial_lse = flat_lse[: bs * num_heads * num_splits].view(bs, num_heads, num_splits)
     if bs == 0:
         return out
+    if workspace is None:
+        workspace = decode_workspace(bs, num_heads, head_dim, num_splits, q.device)
+    partials = bs * num_heads * num_splits
+    assert workspace.partial_o.numel() >= partials * head_dim \
+        and workspace.partial_lse.numel() >= partials \
+        and workspace.arrivals.numel() >= bs * kv_heads, "decode workspace too small"
+    partial_o = workspace.partial_o[: partials * head_dim].view(bs, num_heads, num_splits,
+                                                                head_dim)
+    partial_lse = workspace.partial_lse[:partials].view(bs, num_heads, num_splits)
     group = num_heads // kv_heads
+    block_g = max(MIN_DOT, triton.next_power_of_2(group))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    fold = launch.fold_merge and num_splits > 1
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
     _decode_split_kernel[(bs, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, partial_o, partial_lse,
-        sm_scale * LOG2E,
+        q, k_cache, v_cache, page_table, rows, seq_lens, out, partial_o, partial_lse,
+        workspace.arrivals, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1),
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, FOLD_MERGE=fold,
+        DOT_PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    _decode_merge_kernel[(bs, num_heads)](
-        partial_o, partial_lse, out,
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=2,
-    )
+    if num_splits > 1 and not fold:
+        _decode_merge_kernel[(bs, kv_heads)](
+            partial_o, partial_lse, out,
+            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_G=block_g,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        )
     return out

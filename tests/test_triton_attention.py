@@ -8,6 +8,7 @@ comparisons run compiled on the GPU in bf16 against an fp32 reference.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,12 @@ import pytest
 import torch
 
 from kernels import is_interpreted
-from kernels.decode_attention import decode_attention, decode_num_splits
+from kernels.decode_attention import (
+    DecodeLaunch,
+    decode_attention,
+    decode_num_splits,
+    decode_workspace,
+)
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import _kv_store_kernel, store_kv
 from minisgl_backend.attention import create_attention_backend
@@ -168,8 +174,8 @@ def test_cuda_graph_path_matches_eager(target: Target) -> None:
     tri.prepare_for_capture(static, world.page_table)
     graph_meta = static.attn_metadata
     # Stale partials must never be read: poison the static scratch.
-    for buf in graph_meta.workspace:
-        buf.fill_(float("nan"))
+    graph_meta.workspace.partial_o.fill_(float("nan"))
+    graph_meta.workspace.partial_lse.fill_(float("nan"))
 
     # Replay with the real batch (padding: length 0, zeros), then the way the engine's graph
     # runner does, with its static tensors padded by dummy requests (position 0: length 1).
@@ -274,32 +280,38 @@ def test_store_kv_scatters_strided_inputs(target: Target) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_decode_kernel_splits_padding_and_odd_shapes(target: Target) -> None:
-    """Any split count gives the same result; a length-0 request gives zeros; an odd head_dim
-    and a group of 3 query heads per KV head (padded to 16 rows) work; every output and every
-    partial is written (both start as NaN)."""
-    world = World(target, 6, 2, page_size=4, head_dim=target.odd_head_dim)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_decode_kernel_splits_padding_and_odd_shapes(target: Target, page_size: int) -> None:
+    """Any split count, tile and merge path gives the same result; a length-0 request gives
+    zeros; an odd head_dim and a group of 3 query heads per KV head (padded to 16 rows) work;
+    every output is written (outputs and partials start as NaN); the arrival counters are back
+    at zero after each launch. Page 16 with 16-token blocks takes the one-page-per-block path."""
+    world = World(target, 6, 2, page_size=page_size, head_dim=target.odd_head_dim)
     dev = target.device
     rows = torch.tensor([3, 0, 5, 1], device=dev)
     lens = [33, 0, 1, 64]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = _rand((4, 6, world.head_dim), target, world.gen)
     kc, vc = world.pool.k_cache(0), world.pool.v_cache(0)
+    launches = [DecodeLaunch(block_n=16), DecodeLaunch(block_n=32, fold_merge=False)]
     outputs = []
-    for splits in (1, 3):  # 3: lengths of 64 fill two 32-token splits, the third is empty
+    # 3 splits: lengths of 64 fill two 32-token splits, the third is empty
+    for splits, launch in itertools.product((1, 3), launches):
         out = torch.full_like(q, float("nan"))
-        workspace = tuple(torch.full((4 * 6 * splits * n,), float("nan"), device=dev)
-                          for n in (world.head_dim, 1))
-        decode_attention(q, kc, vc, world.page_table, rows, seq_lens, page_size=4,
+        workspace = decode_workspace(4, 6, world.head_dim, splits, dev)
+        workspace.partial_o.fill_(float("nan"))
+        workspace.partial_lse.fill_(float("nan"))
+        decode_attention(q, kc, vc, world.page_table, rows, seq_lens, page_size=page_size,
                          sm_scale=world.head_dim**-0.5, num_splits=splits, out=out,
-                         workspace=workspace)  # type: ignore[arg-type]
+                         workspace=workspace, launch=launch)
+        assert torch.all(workspace.arrivals == 0)
         outputs.append(out)
     for i, n in enumerate(lens):
         if n == 0:
             assert all(torch.all(out[i] == 0) for out in outputs)
             continue
         expected = _naive_attention(q[i : i + 1], kc, vc, world.page_table, int(rows[i]),
-                                    torch.tensor([n - 1], device=dev), n, 4)
+                                    torch.tensor([n - 1], device=dev), n, page_size)
         for out in outputs:
             world.assert_close(out[i : i + 1], expected)
 

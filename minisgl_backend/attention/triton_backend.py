@@ -17,6 +17,8 @@ import torch
 
 from kernels import is_interpreted
 from kernels.decode_attention import (
+    DecodeLaunch,
+    DecodeWorkspace,
     decode_attention,
     decode_num_splits,
     decode_workspace,
@@ -42,14 +44,15 @@ class TritonAttnMetadata:
     max_extend_len: int = 0
     # Decode only: KV splits per request and the fp32 scratch of the partial results.
     num_splits: int = 1
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    workspace: DecodeWorkspace | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, kv_pool: PagedKVPool, num_heads: int, head_dim: int,
-                 max_splits: int = DEFAULT_MAX_SPLITS) -> None:
+                 max_splits: int = DEFAULT_MAX_SPLITS,
+                 decode_launch: DecodeLaunch | None = None) -> None:
         device = kv_pool.buffer.device
         if device.type != "cuda" and not is_interpreted(_kv_store_kernel):
             raise RuntimeError("the triton attention backend runs on CPU only through Triton's "
@@ -62,6 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
         assert num_heads % self.num_kv_heads == 0, \
             f"{num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads"
         self.max_splits = max_splits
+        self.decode_launch = decode_launch  # None: the kernel's defaults
         self.scale = head_dim**-0.5
         self.device = device
         self._graph: _GraphBuffers | None = None
@@ -104,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
                 page_size=page_size, sm_scale=self.scale, num_splits=meta.num_splits,
-                workspace=meta.workspace,
+                workspace=meta.workspace, launch=self.decode_launch,
             )
         else:
             assert meta.q_starts is not None and meta.extend_lens is not None
@@ -156,7 +160,7 @@ class _GraphBuffers:
     max_bs: int
     rows: torch.Tensor  # [max_bs] int64
     seq_lens: torch.Tensor  # [max_bs] int32
-    workspace: tuple[torch.Tensor, torch.Tensor]
+    workspace: DecodeWorkspace
     page_table: torch.Tensor | None = None
 
     @staticmethod

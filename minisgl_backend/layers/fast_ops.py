@@ -1,4 +1,5 @@
-"""Fused element-wise operations: FlashInfer kernels on a GPU in half precision, torch otherwise.
+"""Fused element-wise operations: FlashInfer kernels on a GPU in half precision (and the
+project's Triton SiLU-and-mul for few tokens), torch otherwise.
 
 The torch versions are the reference arithmetic (HF transformers'); float32 and CPU always use
 them, so the float32 oracle tests compare like with like. Each FlashInfer kernel replaces
@@ -59,8 +60,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(summed, weight, eps), summed
 
 
+# Up to this many tokens the project's column-split Triton kernel beats FlashInfer's one block
+# per token (scripts/bench_kernels.py).
+TRITON_SILU_MAX_TOKENS = 64
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim."""
+    if x.dtype in HALF_TYPES and x.dim() == 2 and x.shape[0] <= TRITON_SILU_MAX_TOKENS \
+            and use_triton_kernels(x):
+        from kernels.activation import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
     if use_flashinfer(x):
         return flashinfer_module().activation.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)

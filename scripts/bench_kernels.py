@@ -1,0 +1,227 @@
+"""Kernel-level timings on the GPU, as the engine runs them (captured in CUDA graphs).
+
+1. Decode attention at real head layouts: the project's Triton kernel (default tiles, or a
+   sweep of tiles, pipeline stages, warps, merge path and split limits) next to FlashInfer's
+   decode, through the attention backends' own CUDA-graph paths, for each page size, batch size
+   and context length; K/V bytes read per call / time = achieved bandwidth, also as a share of
+   the copy bandwidth measured in the same run.
+2. SiLU-and-mul: the Triton kernel next to FlashInfer's, per token count.
+
+    python scripts/bench_kernels.py --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 64 256 \\
+        --context-lens 256 1024 2048 --page-sizes 16 64 --sweep
+    python scripts/bench_kernels.py --device cpu --shapes tiny-qwen3 --batch-sizes 2 \\
+        --context-lens 40 --page-sizes 16 --calls 1 --replays 1    # smoke test (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from minisgl_backend.attention.base import AttentionBackend
+from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.benchmark.hardware import measure_copy_bandwidth
+from minisgl_backend.benchmark.shapes import SHAPES
+from minisgl_backend.core import Batch
+from minisgl_backend.kvcache.pool import PagedKVPool
+
+ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "GB/s",
+                    "of copy bw")
+SILU_HEADER = ("width", "tokens", "kernel", "us/call")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"],
+                        choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--context-lens", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16])
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every Triton decode variant, not only the default")
+    parser.add_argument("--no-flashinfer", action="store_true")
+    parser.add_argument("--silu-tokens", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--calls", type=int, default=8, help="kernel calls per captured graph")
+    parser.add_argument("--replays", type=int, default=20, help="timed graph replays")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    return parser.parse_args(argv)
+
+
+def time_per_call(fn: Callable[[], object], calls: int, replays: int, device: torch.device,
+                  before_replay: Callable[[], None] | None = None) -> float:
+    """Seconds per `fn()`: on a GPU, `calls` of them captured in one CUDA graph and replayed
+    `replays` times (`before_replay` runs between capture and replays); on CPU (a smoke test)
+    plain calls."""
+    fn()  # compile / warm up outside the capture
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(replays * calls):
+            fn()
+        return (time.perf_counter() - start) / (replays * calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    if before_replay is not None:
+        before_replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3 / (replays * calls)
+
+
+# ----- decode attention -------------------------------------------------------------------------
+
+
+def triton_variants(sweep: bool) -> dict[str, dict[str, object]]:
+    """Name -> TritonAttentionBackend keyword arguments."""
+    from kernels.decode_attention import DecodeLaunch
+
+    variants: dict[str, dict[str, object]] = {"triton": {}}
+    if not sweep:
+        return variants
+    for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
+        variants[f"triton n{block_n} w{warps} s{stages}"] = {
+            "decode_launch": DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages)}
+    variants["triton unfolded merge"] = {"decode_launch": DecodeLaunch(block_n=32,
+                                                                       fold_merge=False)}
+    for max_splits in (4, 32):
+        variants[f"triton max splits {max_splits}"] = {"max_splits": max_splits}
+    return variants
+
+
+def decode_world(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, bs: int,
+                 context: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[PagedKVPool, torch.Tensor, Batch, torch.Tensor]:
+    """One layer's pool full of random K/V, every request's pages scattered at random."""
+    pages_per_req = -(-context // page_size)
+    num_pages = bs * pages_per_req
+    pool = PagedKVPool(1, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+    pool.buffer[:, :, :num_pages].normal_()
+    pages = torch.randperm(num_pages, device=device, dtype=torch.int64).to(torch.int32)
+    page_table = torch.full((bs + 1, pages_per_req), pool.dummy_page, dtype=torch.int32,
+                            device=device)
+    page_table[:bs] = pages.view(bs, pages_per_req)
+    rows = torch.arange(bs, device=device)
+    positions = torch.full((bs,), context - 1, dtype=torch.int64, device=device)
+    batch = Batch(phase="decode", rows=rows, input_ids=torch.zeros_like(positions),
+                  positions=positions,
+                  out_slots=torch.full_like(positions, pool.dummy_slot),
+                  extend_lens=[1] * bs, seq_lens=[context] * bs)
+    q = torch.randn(bs, num_heads, head_dim, device=device, dtype=dtype)
+    return pool, page_table, batch, q
+
+
+def time_decode(backend: AttentionBackend, batch: Batch, page_table: torch.Tensor,
+                q: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
+    """The engine's decode path: capture with the graph metadata (placeholder pages), then
+    replay with the real batch's."""
+    def call() -> object:
+        return backend.forward(q, None, None, 0, batch)
+
+    if device.type != "cuda":
+        backend.prepare(batch, page_table)
+        return time_per_call(call, args.calls, args.replays, device)
+    backend.init_cuda_graph(batch.size)
+    backend.prepare_for_capture(batch, page_table)
+    return time_per_call(call, args.calls, args.replays, device,
+                         before_replay=lambda: backend.prepare_for_replay(batch, page_table))
+
+
+def bench_decode_case(args: argparse.Namespace, device: torch.device, copy_bw: float,
+                      shape: str, page_size: int, bs: int, context: int) -> list[list[str]]:
+    from minisgl_backend.attention.triton_backend import TritonAttentionBackend
+
+    config = SHAPES[shape]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pool, page_table, batch, q = decode_world(heads, kv_heads, head_dim, page_size, bs, context,
+                                              device, dtype)
+    kv_bytes = 2 * bs * context * kv_heads * head_dim * pool.buffer.element_size()
+    backends: dict[str, Callable[[], AttentionBackend]] = {
+        name: (lambda kw=kwargs: TritonAttentionBackend(pool, heads, head_dim, **kw))
+        for name, kwargs in triton_variants(args.sweep).items()}
+    if device.type == "cuda" and not args.no_flashinfer:
+        from minisgl_backend.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        backends["flashinfer"] = lambda: FlashInferAttentionBackend(
+            pool, heads, head_dim, device, page_table.shape[1])
+    rows: list[list[str]] = []
+    for name, make in backends.items():
+        seconds = time_decode(make(), batch, page_table, q, args, device)
+        rate = kv_bytes / seconds
+        rows.append([shape, str(page_size), str(bs), str(context), name, f"{seconds * 1e6:.1f}",
+                     f"{rate / 1e9:,.0f}", f"{rate / copy_bw:.1%}" if copy_bw else "-"])
+        print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def bench_decode(args: argparse.Namespace, device: torch.device, copy_bw: float
+                 ) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for shape, page_size, bs, context in itertools.product(
+            args.shapes, args.page_sizes, args.batch_sizes, args.context_lens):
+        rows += bench_decode_case(args, device, copy_bw, shape, page_size, bs, context)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ----- SiLU-and-mul -----------------------------------------------------------------------------
+
+
+def bench_silu(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    from kernels.activation import silu_and_mul as triton_silu_and_mul
+    from minisgl_backend.layers.fast_ops import flashinfer_module
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    flashinfer = flashinfer_module() if device.type == "cuda" else None
+    widths = sorted({SHAPES[s]["intermediate_size"] for s in args.shapes})
+    rows: list[list[str]] = []
+    for width, tokens in itertools.product(widths, args.silu_tokens):
+        x = torch.randn(tokens, 2 * width, device=device, dtype=dtype)
+        out = torch.empty(tokens, width, device=device, dtype=dtype)
+        kernels: dict[str, Callable[[], object]] = {
+            "triton": lambda: triton_silu_and_mul(x, out=out)}
+        if flashinfer is not None:
+            kernels["flashinfer"] = lambda: flashinfer.activation.silu_and_mul(x, out=out)
+        for name, fn in kernels.items():
+            seconds = time_per_call(fn, args.calls, args.replays, device)
+            rows.append([str(width), str(tokens), name, f"{seconds * 1e6:.2f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    copy_bw = measure_copy_bandwidth(device) if device.type == "cuda" else 0.0
+    if copy_bw:
+        print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s")
+    attention = bench_decode(args, device, copy_bw)
+    silu = bench_silu(args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"\n## Decode attention ({name}, {'bf16' if device.type == 'cuda' else 'fp32'})\n")
+    print(markdown_table(ATTENTION_HEADER, attention))
+    print("\n## SiLU-and-mul\n")
+    print(markdown_table(SILU_HEADER, silu))
+
+
+if __name__ == "__main__":
+    main()
