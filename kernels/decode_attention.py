@@ -28,31 +28,33 @@ MIN_DOT = 16  # tl.dot operands need every dimension >= 16
 
 
 @triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, heads, g_mask, d, d_mask,
+def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
                  stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
                  stride_o_tok, stride_o_head,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """Merge the NUM_SPLITS partials of the query heads `heads` of request `req` into o.
-    Loads bypass L1 (.cg): the partials were written by other programs of the same launch."""
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the NUM_SPLITS partials of each query head of KV group `kv_head` of request `req`
+    into o. One [splits, head_dim] load per head, unrolled over the group so that every load
+    is in flight at once (a loop over splits would wait for one load after another). Loads
+    bypass L1 (.cg): the partials were written by other programs of the same launch."""
     s = tl.arange(0, BLOCK_S)
-    lse_row = part_lse_ptr + req * stride_pl_req + heads * stride_pl_head
-    lse = tl.load(lse_row[:, None] + s[None, :], mask=g_mask[:, None] & (s < NUM_SPLITS)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
-    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    part_row = part_o_ptr + req * stride_po_req + heads[:, None] * stride_po_head + d[None, :]
-    for split in range(NUM_SPLITS):
-        weight = tl.exp2(tl.load(lse_row + split, mask=g_mask, other=float("-inf"),
-                                 cache_modifier=".cg") - m)
-        part = tl.load(part_row + split * stride_po_split, mask=g_mask[:, None] & d_mask[None, :],
-                       other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s,
+                      mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
+        weight = tl.exp2(lse - m)
+        part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
+                       + s[:, None] * stride_po_split + d[None, :],
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        total = tl.sum(weight, 0)
+        out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
+                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -142,10 +144,10 @@ def _decode_split_kernel(
             counter = arrivals_ptr + req * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == NUM_SPLITS - 1:
-                _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, heads, g_mask, d, d_mask,
+                _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
                              stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
                              stride_pl_head, stride_o_tok, stride_o_head,
-                             NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
+                             GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
                 tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
 
@@ -156,15 +158,12 @@ def _decode_merge_kernel(
     stride_pl_req, stride_pl_head,
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, tl.program_id(1) * GROUP + g, g < GROUP,
-                 d, d < HEAD_DIM, stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
+    _merge_group(part_o_ptr, part_lse_ptr, o_ptr, tl.program_id(0), tl.program_id(1),
+                 stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
                  stride_pl_head, stride_o_tok, stride_o_head,
-                 NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
+                 GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
 
 
 @dataclass(frozen=True)
@@ -180,14 +179,17 @@ class DecodeLaunch:
 LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=3" (tuning)
 
 
-def decode_launch(head_dim: int, dtype: torch.dtype) -> DecodeLaunch:
-    """Defaults: 32 tokens per step for 16-bit heads up to 128 wide, else 16 (fp32 or wider
-    heads would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
-    element). `MINISGL_DECODE_LAUNCH` overrides fields for 16-bit heads (for tuning runs:
-    scripts/bench_kernels.py --sweep prints the candidates)."""
+def decode_launch(head_dim: int, dtype: torch.dtype, num_splits: int = 1) -> DecodeLaunch:
+    """Defaults, from `scripts/bench_kernels.py --sweep` on the H200 (benchmark/RESULTS.md):
+    64-token steps; with splits (small batches: latency-bound short slices) 8 warps and 2
+    stages, else 4 warps and 3 stages. fp32 or heads wider than 128 take 16-token steps (more
+    would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
+    element). `MINISGL_DECODE_LAUNCH` overrides fields for 16-bit heads (tuning runs)."""
     if dtype == torch.float32 or head_dim > 128:
         return DecodeLaunch(block_n=16)
-    return DecodeLaunch(**{"block_n": 32, **_launch_override(os.environ.get(LAUNCH_ENV, ""))})
+    tiles = {"block_n": 64, "num_warps": 8, "num_stages": 2} if num_splits > 1 else \
+        {"block_n": 64, "num_warps": 4, "num_stages": 3}
+    return DecodeLaunch(**{**tiles, **_launch_override(os.environ.get(LAUNCH_ENV, ""))})
 
 
 @lru_cache(maxsize=None)
@@ -264,7 +266,7 @@ def decode_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert rows.shape == (bs,) and seq_lens.shape == (bs,)
-    launch = launch or decode_launch(head_dim, k_cache.dtype)
+    launch = launch or decode_launch(head_dim, k_cache.dtype, num_splits)
     block_n = launch.block_n
     assert num_splits >= 1 and block_n >= MIN_DOT and block_n & (block_n - 1) == 0
     if q.stride(2) != 1:
@@ -305,7 +307,7 @@ def decode_attention(
             partial_o, partial_lse, out,
             partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_G=block_g,
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+            BLOCK_D=block_d, num_warps=4,
         )
     return out
