@@ -1,12 +1,12 @@
 """Paged decode attention (one query token per request) with GQA, split over the KV length.
 
-Flash-decoding in one kernel, grid (requests, kv_heads, num_splits): each program takes one
-contiguous slice of a request's tokens and attends all query heads of one KV group to it at
-once (the group is one `tl.dot` operand, padded to 16 rows). With one split a program writes
-the output itself. With several, each writes a normalized partial output and its log-sum-exp
-(base 2) per query head, counts itself in on the (request, KV head)'s arrival counter, and the
-last program to arrive merges the group's partials into the output and resets the counter
-(`fold_merge=False` leaves the merge to a second kernel instead, grid (requests, kv_heads)).
+Flash-decoding, grid (requests, kv_heads, num_splits): each program takes one contiguous slice
+of a request's tokens and attends all query heads of one KV group to it at once (the group is
+one `tl.dot` operand, padded to 16 rows). With one split (large batches) the program writes the
+output itself; with several it writes a normalized partial output and its log-sum-exp (base 2)
+per query head, and a second kernel, grid (requests, kv_heads), merges them. (Merging in the
+last split program to arrive, behind an atomic counter, measured slower on the H200: its
+atomic and merge sit on the critical path, while the merge kernel's programs run in parallel.)
 The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
 launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
 divided among the splits inside the kernel, and splits past its end produce empty partials.
@@ -35,8 +35,7 @@ def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge the NUM_SPLITS partials of each query head of KV group `kv_head` of request `req`
     into o. One [splits, head_dim] load per head, unrolled over the group so that every load
-    is in flight at once (a loop over splits would wait for one load after another). Loads
-    bypass L1 (.cg): the partials were written by other programs of the same launch."""
+    is in flight at once."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < NUM_SPLITS
@@ -44,13 +43,13 @@ def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
         lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s,
-                      mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+                      mask=s_mask, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
         weight = tl.exp2(lse - m)
         part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
                        + s[:, None] * stride_po_split + d[None, :],
-                       mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         total = tl.sum(weight, 0)
         out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
         tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
@@ -60,7 +59,7 @@ def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, rows_ptr, seq_lens_ptr,
-    o_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
+    o_ptr, part_o_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     stride_q_tok, stride_q_head,
     stride_cache_slot, stride_cache_head,
@@ -70,8 +69,7 @@ def _decode_split_kernel(
     stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, FOLD_MERGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,18 +135,6 @@ def _decode_split_kernel(
         tl.store(po, out, mask=out_mask)
         tl.store(part_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse,
                  mask=g_mask)
-        if FOLD_MERGE:
-            # Every thread's partial is written before the counter moves (the barrier), and
-            # the counter's release/acquire makes them visible to the last program to arrive.
-            tl.debug_barrier()
-            counter = arrivals_ptr + req * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == NUM_SPLITS - 1:
-                _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
-                             stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
-                             stride_pl_head, stride_o_tok, stride_o_head,
-                             GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
 
 @triton.jit
@@ -173,7 +159,6 @@ class DecodeLaunch:
     block_n: int  # tokens per loop step
     num_warps: int = 4
     num_stages: int = 2
-    fold_merge: bool = True  # merge the splits in the last program, not in a second kernel
 
 
 LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=3" (tuning)
@@ -181,20 +166,21 @@ LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=
 
 def decode_launch(head_dim: int, dtype: torch.dtype, num_splits: int = 1) -> DecodeLaunch:
     """Defaults, from `scripts/bench_kernels.py --sweep` on the H200 (benchmark/RESULTS.md):
-    64-token steps; with splits (small batches: latency-bound short slices) 8 warps and 2
-    stages, else 4 warps and 3 stages. fp32 or heads wider than 128 take 16-token steps (more
-    would spill registers on sm_90: the gathered K/V tiles carry one 64-bit address per
-    element). `MINISGL_DECODE_LAUNCH` overrides fields for 16-bit heads (tuning runs)."""
+    with one split (large batches, bandwidth-bound) 64-token steps and 3 stages; with splits
+    (small batches: short, latency-bound slices) 32-token steps and 2 stages; 4 warps. fp32 or
+    heads wider than 128 take 16-token steps (more would spill registers on sm_90: the
+    gathered K/V tiles carry one 64-bit address per element). `MINISGL_DECODE_LAUNCH`
+    overrides fields for 16-bit heads (tuning runs)."""
     if dtype == torch.float32 or head_dim > 128:
         return DecodeLaunch(block_n=16)
-    tiles = {"block_n": 64, "num_warps": 8, "num_stages": 2} if num_splits > 1 else \
-        {"block_n": 64, "num_warps": 4, "num_stages": 3}
+    tiles = {"block_n": 32, "num_stages": 2} if num_splits > 1 else \
+        {"block_n": 64, "num_stages": 3}
     return DecodeLaunch(**{**tiles, **_launch_override(os.environ.get(LAUNCH_ENV, ""))})
 
 
 @lru_cache(maxsize=None)
 def _launch_override(text: str) -> dict[str, int]:
-    fields = {"block_n", "num_warps", "num_stages", "fold_merge"}
+    fields = {"block_n", "num_warps", "num_stages"}
     override: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
@@ -217,11 +203,10 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
 @dataclass(frozen=True)
 class DecodeWorkspace:
     """Scratch of `decode_attention` with several splits: flat fp32 partial outputs and
-    log-sum-exps, and int32 arrival counters (zero between launches: the kernel resets them)."""
+    log-sum-exps."""
 
     partial_o: torch.Tensor
     partial_lse: torch.Tensor
-    arrivals: torch.Tensor
 
 
 def decode_workspace(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
@@ -231,7 +216,6 @@ def decode_workspace(max_batch_size: int, num_heads: int, head_dim: int, max_spl
     return DecodeWorkspace(
         partial_o=torch.empty(slots * head_dim, dtype=torch.float32, device=device),
         partial_lse=torch.empty(slots, dtype=torch.float32, device=device),
-        arrivals=torch.zeros(max_batch_size * num_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -280,8 +264,7 @@ def decode_attention(
         workspace = decode_workspace(bs, num_heads, head_dim, num_splits, q.device)
     partials = bs * num_heads * num_splits
     assert workspace.partial_o.numel() >= partials * head_dim \
-        and workspace.partial_lse.numel() >= partials \
-        and workspace.arrivals.numel() >= bs * kv_heads, "decode workspace too small"
+        and workspace.partial_lse.numel() >= partials, "decode workspace too small"
     partial_o = workspace.partial_o[: partials * head_dim].view(bs, num_heads, num_splits,
                                                                 head_dim)
     partial_lse = workspace.partial_lse[:partials].view(bs, num_heads, num_splits)
@@ -289,20 +272,19 @@ def decode_attention(
     block_g = max(MIN_DOT, triton.next_power_of_2(group))
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     block_s = max(2, triton.next_power_of_2(num_splits))
-    fold = launch.fold_merge and num_splits > 1
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
     _decode_split_kernel[(bs, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, out, partial_o, partial_lse,
-        workspace.arrivals, sm_scale * LOG2E,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, FOLD_MERGE=fold,
-        DOT_PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if num_splits > 1 and not fold:
+    if num_splits > 1:
         _decode_merge_kernel[(bs, kv_heads)](
             partial_o, partial_lse, out,
             partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),

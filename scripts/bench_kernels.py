@@ -1,7 +1,7 @@
 """Kernel-level timings on the GPU, as the engine runs them (captured in CUDA graphs).
 
 1. Decode attention at real head layouts: the project's Triton kernel (default tiles, or a
-   sweep of tiles, pipeline stages, warps, merge path and split limits) next to FlashInfer's
+   sweep of tiles, pipeline stages, warps and split limits) next to FlashInfer's
    decode, through the attention backends' own CUDA-graph paths, for each page size, batch size
    and context length; K/V bytes read per call / time = achieved bandwidth, also as a share of
    the copy bandwidth measured in the same run.
@@ -98,8 +98,6 @@ def triton_variants(sweep: bool) -> dict[str, dict[str, object]]:
     for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
         variants[f"triton n{block_n} w{warps} s{stages}"] = {
             "decode_launch": DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages)}
-    variants["triton unfolded merge"] = {"decode_launch": DecodeLaunch(block_n=32,
-                                                                       fold_merge=False)}
     for max_splits in (4, 32):
         variants[f"triton max splits {max_splits}"] = {"max_splits": max_splits}
     return variants

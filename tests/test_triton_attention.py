@@ -282,10 +282,10 @@ def test_store_kv_scatters_strided_inputs(target: Target) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_decode_kernel_splits_padding_and_odd_shapes(target: Target, page_size: int) -> None:
-    """Any split count, tile and merge path gives the same result; a length-0 request gives
-    zeros; an odd head_dim and a group of 3 query heads per KV head (padded to 16 rows) work;
-    every output is written (outputs and partials start as NaN); the arrival counters are back
-    at zero after each launch. Page 16 with 16-token blocks takes the one-page-per-block path."""
+    """Any split count and tile gives the same result; a length-0 request gives zeros; an odd
+    head_dim and a group of 3 query heads per KV head (padded to 16 rows) work; every output is
+    written (outputs and partials start as NaN). Page 16 with 16-token blocks takes the
+    one-page-per-block path."""
     world = World(target, 6, 2, page_size=page_size, head_dim=target.odd_head_dim)
     dev = target.device
     rows = torch.tensor([3, 0, 5, 1], device=dev)
@@ -293,7 +293,7 @@ def test_decode_kernel_splits_padding_and_odd_shapes(target: Target, page_size: 
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = _rand((4, 6, world.head_dim), target, world.gen)
     kc, vc = world.pool.k_cache(0), world.pool.v_cache(0)
-    launches = [DecodeLaunch(block_n=16), DecodeLaunch(block_n=32, fold_merge=False)]
+    launches = [DecodeLaunch(block_n=16), DecodeLaunch(block_n=32, num_warps=8, num_stages=3)]
     outputs = []
     # 3 splits: lengths of 64 fill two 32-token splits, the third is empty
     for splits, launch in itertools.product((1, 3), launches):
@@ -304,7 +304,6 @@ def test_decode_kernel_splits_padding_and_odd_shapes(target: Target, page_size: 
         decode_attention(q, kc, vc, world.page_table, rows, seq_lens, page_size=page_size,
                          sm_scale=world.head_dim**-0.5, num_splits=splits, out=out,
                          workspace=workspace, launch=launch)
-        assert torch.all(workspace.arrivals == 0)
         outputs.append(out)
     for i, n in enumerate(lens):
         if n == 0:
