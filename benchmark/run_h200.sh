@@ -7,14 +7,14 @@
 #   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
-# skipped and say so), STEPS (which steps, default all: tests offline decode mechanisms
-# profile triton tp). flashinfer must be importable; the `triton` step needs tritonserver and
+# skipped and say so), STEPS (which steps, default all: tests offline decode kernels
+# mechanisms profile triton tp). flashinfer must be importable; the `triton` step needs tritonserver and
 # perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode mechanisms profile triton tp}
+STEPS=${STEPS:-tests offline decode kernels mechanisms profile triton tp}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -36,7 +36,7 @@ WARM=$!
 if wants tests; then
   CUDA_VISIBLE_DEVICES=0 step 600 tests-triton python3 -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_qkv_prologue.py tests/test_fused_moe.py \
-    tests/test_gpu_engine.py -k "not flashinfer and not tensor_parallel"
+    tests/test_activation.py tests/test_gpu_engine.py -k "not flashinfer and not tensor_parallel"
 fi
 wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
 wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprovider \
@@ -44,7 +44,7 @@ wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprov
 export CUDA_VISIBLE_DEVICES=0
 for shape in qwen3-0.6b llama-3.1-8b; do
   wants offline && TAIL=1 step 180 "offline-$shape" python3 scripts/bench_offline.py \
-    --shape "$shape" --page-size 16
+    --shape "$shape" --page-size 64
 done
 if wants decode; then
   step 600 decode-llama-3.1-8b python3 scripts/bench_decode.py --shape llama-3.1-8b \
@@ -54,18 +54,20 @@ if wants decode; then
   TAIL=3 step 120 decode-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
 fi
+wants kernels && TAIL=40 step 300 kernels python3 scripts/bench_kernels.py \
+  --batch-sizes 1 8 64 256 --context-lens 256 1024 2048 --page-sizes 16 64
 wants mechanisms && TAIL=9 step 300 mechanisms-qwen3-0.6b python3 scripts/bench_mechanisms.py \
   --shape qwen3-0.6b --page-size 16
 wants profile && TAIL=40 step 180 profile-llama-3.1-8b python3 scripts/profile_decode_step.py \
   --shape llama-3.1-8b --batch-sizes 1 --steps 60 --backends triton --trace
 if wants triton && command -v tritonserver > /dev/null && command -v perf_analyzer > /dev/null; then
   TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
-    --page-size 16 --concurrency 64 256
+    --page-size 64 --concurrency 64 256
 fi
 unset CUDA_VISIBLE_DEVICES
 if wants tp && [ "$GPUS" -ge 2 ]; then
   TAIL=1 step 240 offline-llama-3.1-8b-tp2 python3 scripts/bench_offline.py \
-    --shape llama-3.1-8b --page-size 16 --tp-size 2
+    --shape llama-3.1-8b --page-size 64 --tp-size 2
   TAIL=3 step 180 decode-llama-3.1-8b-tp2 python3 scripts/bench_decode.py --shape llama-3.1-8b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --tp-size 2
 fi

@@ -26,8 +26,12 @@ export's output values are unusable), checked against the server's own count of 
 tokens (`minisgl_generated_tokens_total` on /metrics) around each run. The model streams a
 request's tokens as they come, several in one response when they queued up meanwhile.
 Each data entry must have gone out exactly once (matched by prompt: perf_analyzer's threads
-take entries t, t+T, t+2T, ... and split --request-count between them). The offline rows
-are timed the same way on the scheduler's callbacks.
+take entries t, t+T, t+2T, ... and split --request-count between them). By default
+perf_analyzer runs one thread (`--pa-max-threads 1`), which fills every free slot with the
+next request, as the offline rows do: with its default 16 threads each thread owns a fixed
+share of the requests and slots sit idle in the tail (47.7-49.3 requests in flight on average
+at C=64 against 56-57; benchmark/RESULTS.md). The offline rows are timed the same way on the
+scheduler's callbacks.
 
     python scripts/bench_triton_offline.py                      # Llama-3.1-8B shape on the GPU
     python scripts/bench_triton_offline.py --shape qwen3-0.6b --concurrency 64 256
@@ -93,8 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=1024, help="input and output lengths")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pa-max-threads", type=int, default=None,
-                        help="perf_analyzer --max-threads (its default: 16)")
+    parser.add_argument("--pa-max-threads", type=int, default=1,
+                        help="perf_analyzer --max-threads; 1 (default): one thread serves "
+                             "every slot in request order, as the offline rows do; 0: "
+                             "perf_analyzer's own default (16 threads, each owning a fixed "
+                             "share of the requests, which leaves slots idle in the tail)")
     parser.add_argument("--server-timeout", type=float, default=900.0,
                         help="seconds for tritonserver to become ready")
     parser.add_argument("--keep-dir", type=Path, default=None,

@@ -200,3 +200,22 @@ def test_warm_kernels_runs_every_variant() -> None:
         "tiny-qwen3, torch, page 16", "tiny-qwen3, torch, page 1",
         "tiny-llama, torch, page 16", "tiny-llama, torch, page 1"]
 
+
+
+def test_bench_kernels_times_every_variant_on_cpu() -> None:
+    """The kernel benchmark's CPU smoke test: the Triton kernels in the interpreter, every sweep
+    variant of the decode kernel, and SiLU-and-mul; both tables end the output."""
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_kernels.py"), "--device", "cpu", "--shapes",
+         "tiny-qwen3", "--batch-sizes", "2", "--context-lens", "40", "--page-sizes", "16",
+         "--silu-tokens", "1", "--calls", "1", "--replays", "1", "--sweep"],
+        capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    header, rows = last_table(run.stdout)
+    assert header == ["width", "tokens", "kernel", "us/call"] and rows[0][2] == "triton"
+    attention = run.stdout.split("## SiLU-and-mul")[0]
+    variants = [line.split("|")[5].strip() for line in attention.splitlines()
+                if line.startswith("| tiny-qwen3")]
+    assert variants[0] == "triton" and len(variants) == 15, variants
+    assert all(number(line.split("|")[6]) > 0 for line in attention.splitlines()
+               if line.startswith("| tiny-qwen3"))
