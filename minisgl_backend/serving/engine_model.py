@@ -9,6 +9,7 @@ thread polls for cancelled requests and aborts them in the engine.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from minisgl_backend.scheduler.output import merge_deltas
 from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
+from minisgl_backend.serving.server_health import model_ready, model_ready_url
 from minisgl_backend.serving.settings import (
     engine_settings,
     load_model_config,
@@ -69,6 +71,7 @@ class TritonPythonModel:
         self.limits = request_limits(parameters)
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
+        self.ready_url = model_ready_url(os.getppid(), self.name)
         self.failed = False  # the engine died; see _on_engine_failure
         self.ending = False  # the server is stopping; see _check_server_ready
         self.metrics = EngineMetrics(self.name)
@@ -166,12 +169,16 @@ class TritonPythonModel:
 
     def _check_server_ready(self) -> None:
         """Once tritonserver is stopping, end every request in flight: it waits for them (up
-        to its exit timeout) and an ensemble's running step never sees a cancellation."""
-        try:
-            ready = pb_utils.is_model_ready(self.name)
-        except Exception as exc:  # noqa: BLE001 - the server refuses the query while exiting
-            logger.warning("model %s: readiness query failed: %s", self.name, exc)
-            ready = False
+        to its exit timeout) and an ensemble's running step never sees a cancellation.
+        Asked over the server's HTTP endpoint (see `server_health`: the stub's own query can
+        crash it while the server stops); through the stub only where HTTP is off."""
+        ready = model_ready(self.ready_url) if self.ready_url else None
+        if ready is None:
+            try:
+                ready = pb_utils.is_model_ready(self.name)
+            except Exception as exc:  # noqa: BLE001 - the server refuses it while exiting
+                logger.warning("model %s: readiness query failed: %s", self.name, exc)
+                ready = False
         if ready:
             return
         if not self.ending:

@@ -31,7 +31,9 @@ CLEANUP_SECONDS = 5.0
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 <stub pid>` writes every thread's Python stack to the server log (a stuck
-    stub, e.g. at shutdown, can then be diagnosed without a debugger)."""
+    stub, e.g. at shutdown, can then be diagnosed without a debugger); so does a crash
+    (SIGSEGV, SIGABRT, ...) before the stub dies."""
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
