@@ -125,9 +125,19 @@ class TritonPythonModel:
                 items = []
             stopping = self._drain_outputs(items)
             self._take_submitted()
-            for state, deltas in _group_by_request(items):
-                for out in merge_deltas(deltas):
-                    self._respond(state, out)
+            responses = [(state, out) for state, deltas in _group_by_request(items)
+                         for out in merge_deltas(deltas)]
+            # Metrics first, in one flush per round: a client that reads /metrics after its
+            # final response sees its request counted.
+            for state, out in responses:
+                self.metrics.record_output(out, state.first_output, state.arrived)
+                state.first_output = False
+            try:
+                self.metrics.flush()
+            except Exception:  # metrics must never hold up a response
+                logger.exception("updating the metrics failed")
+            for state, out in responses:
+                self._respond(state, out)
             if stopping:
                 break
             # Each is_cancelled() is a round trip: with many requests in flight, poll less often.
@@ -222,8 +232,6 @@ class TritonPythonModel:
                 self.scheduler.abort(state.uid)
 
     def _respond(self, state: ActiveRequest, out: RequestOutput) -> None:
-        self.metrics.record_output(out, state.first_output, state.arrived)
-        state.first_output = False
         try:
             if out.error is not None:
                 self._send_error(state, out)

@@ -48,6 +48,9 @@ class EngineMetrics:
         self._gauges = (self.pages_total, self.pages_in_use, self.pages_cached, self.running,
                         self.waiting)
         self._gauge_values: tuple[int, ...] = (-1,) * len(self._gauges)  # nothing set yet
+        # Counted by record_output, sent by flush (both on the response thread).
+        self._pending_generated = self._pending_prompt = self._pending_cached = 0
+        self._pending_ttft: list[float] = []
 
     def update_gauges(self, stats: SchedulerStats) -> None:
         """Set the gauges whose value changed. Each `set` is a round trip to tritonserver that
@@ -63,9 +66,24 @@ class EngineMetrics:
         self._gauge_values = values
 
     def record_output(self, out: RequestOutput, first: bool, arrived: float) -> None:
-        if out.token_ids:
-            self.generated.increment(len(out.token_ids))
+        """Count an output here; `flush` sends the counts (each counter update is a round trip
+        to tritonserver holding the GIL: one per output would slow the scheduler thread)."""
+        self._pending_generated += len(out.token_ids)
         if first and out.error is None:
-            self.ttft.observe(time.monotonic() - arrived)
-            self.prompt.increment(out.prompt_tokens)
-            self.prompt_cached.increment(out.cached_tokens)
+            self._pending_ttft.append(time.monotonic() - arrived)
+            self._pending_prompt += out.prompt_tokens
+            self._pending_cached += out.cached_tokens
+
+    def flush(self) -> None:
+        """Send what `record_output` counted since the last flush: at most three counter
+        updates, plus one observation per new request."""
+        for counter, attr in ((self.generated, "_pending_generated"),
+                              (self.prompt, "_pending_prompt"),
+                              (self.prompt_cached, "_pending_cached")):
+            value = getattr(self, attr)
+            if value:
+                counter.increment(value)
+                setattr(self, attr, 0)
+        for seconds in self._pending_ttft:
+            self.ttft.observe(seconds)
+        self._pending_ttft.clear()
