@@ -1,5 +1,5 @@
 """Fused element-wise operations: FlashInfer kernels on a GPU in half precision (and the
-project's Triton SiLU-and-mul for few tokens), torch otherwise.
+project's Triton SiLU-and-mul for wide rows and few tokens), torch otherwise.
 
 The torch versions are the reference arithmetic (HF transformers'); float32 and CPU always use
 them, so the float32 oracle tests compare like with like. Each FlashInfer kernel replaces
@@ -60,15 +60,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(summed, weight, eps), summed
 
 
-# Up to this many tokens the project's column-split Triton kernel beats FlashInfer's one block
-# per token (scripts/bench_kernels.py).
-TRITON_SILU_MAX_TOKENS = 64
+# Where the project's column-split Triton kernel beats FlashInfer's one block per token
+# (scripts/bench_kernels.py on the H200): wide rows (Llama-3.1-8B's 14,336 columns: 1.5 vs
+# 3.2 us at 1 token, 3.8 vs 4.3 us at 256), measured up to 256 tokens. On narrow rows (Qwen3-
+# 0.6B's 3,072) FlashInfer is as fast or faster.
+TRITON_SILU_MIN_WIDTH = 8192
+TRITON_SILU_MAX_TOKENS = 256
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim."""
     if x.dtype in HALF_TYPES and x.dim() == 2 and x.shape[0] <= TRITON_SILU_MAX_TOKENS \
-            and use_triton_kernels(x):
+            and x.shape[1] >= 2 * TRITON_SILU_MIN_WIDTH and use_triton_kernels(x):
         from kernels.activation import silu_and_mul as triton_silu_and_mul
 
         return triton_silu_and_mul(x)
