@@ -219,3 +219,21 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     assert variants[0] == "triton" and len(variants) == 15, variants
     assert all(number(line.split("|")[6]) > 0 for line in attention.splitlines()
                if line.startswith("| tiny-qwen3"))
+
+
+def test_bench_scheduler_runs_the_workload_through_the_real_scheduler() -> None:
+    """Every requested token comes back through the scheduler with the instant engine, with
+    overlap on and off; the table ends the output."""
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_scheduler.py"), "--num-requests", "12",
+         "--min-len", "4", "--max-len", "40", "--page-sizes", "1", "16", "--repeats", "1",
+         "--max-running-requests", "5", "--chunked-prefill-size", "32"],
+        capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    header, rows = last_table(run.stdout)
+    assert header[:5] == ["requests", "output tokens", "steps", "page", "overlap"]
+    assert [(row[3], row[4]) for row in rows] == [("1", "on"), ("1", "off"), ("16", "on"),
+                                                  ("16", "off")]
+    workload = anchor_workload(151936, 12, 4, 40)
+    assert all(int(row[1]) == workload.output_tokens for row in rows)
+    assert all(number(cell) > 0 for row in rows for cell in row[5:])

@@ -96,14 +96,16 @@ class Scheduler:
     """Runs requests to completion on the engine processes; thread-safe `submit` / `abort`."""
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any, eos_ids: frozenset[int],
-                 vocab_size: int) -> None:
+                 vocab_size: int, engine: EngineClient | None = None) -> None:
+        """`engine`: the engine processes' client; by default started from config.engine
+        (tests and the scheduler benchmark pass a stand-in)."""
         if config.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be >= 1")
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size  # token ids must be below it
-        self.engine = EngineClient(config.engine)
+        self.engine = engine or EngineClient(config.engine)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
                                   create_prefix_cache(config.cache, page_size))
