@@ -8,15 +8,30 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from minisgl_backend.serving.server_health import model_ready, model_ready_url, server_options
+from minisgl_backend.serving.server_health import (
+    Readiness,
+    model_ready,
+    model_ready_url,
+    server_options,
+)
 
 
 def _process_with_args(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    """A process whose command line ends with `args` (waited for: right after the fork,
+    /proc shows the parent's command line until the exec)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    expected = "\0".join(args).encode()
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{process.pid}/cmdline").read_bytes().rstrip(b"\0").endswith(
+            expected) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process
 
 
 @pytest.mark.parametrize(("args", "expected"), [
@@ -67,17 +82,17 @@ def test_model_ready_reads_the_status(http_server: tuple[str, dict[str, int]]) -
     base, statuses = http_server
     statuses["/v2/models/a/ready"] = 200
     statuses["/v2/models/b/ready"] = 400
-    assert model_ready(f"{base}/v2/models/a/ready") is True
-    assert model_ready(f"{base}/v2/models/b/ready") is False
+    assert model_ready(f"{base}/v2/models/a/ready") == Readiness.READY
+    assert model_ready(f"{base}/v2/models/b/ready") == Readiness.NOT_READY
 
 
-def test_a_closed_endpoint_means_stopping_and_silence_means_unknown() -> None:
+def test_a_closed_endpoint_is_refused_and_silence_is_no_answer() -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    assert model_ready(f"http://127.0.0.1:{port}/v2/models/a/ready") is False
+    assert model_ready(f"http://127.0.0.1:{port}/v2/models/a/ready") == Readiness.REFUSED
     with socket.socket() as silent:  # accepts connections (backlog) but never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/v2/models/a/ready"
-        assert model_ready(url, timeout=0.3) is None
+        assert model_ready(url, timeout=0.3) == Readiness.NO_ANSWER

@@ -25,7 +25,7 @@ from minisgl_backend.scheduler.output import merge_deltas
 from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
-from minisgl_backend.serving.server_health import model_ready, model_ready_url
+from minisgl_backend.serving.server_health import Readiness, model_ready, model_ready_url
 from minisgl_backend.serving.settings import (
     engine_settings,
     load_model_config,
@@ -72,6 +72,7 @@ class TritonPythonModel:
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
         self.ready_url = model_ready_url(os.getppid(), self.name)
+        self.ready_url_answered = False  # a refusal counts only from an endpoint that answered
         self.failed = False  # the engine died; see _on_engine_failure
         self.ending = False  # the server is stopping; see _check_server_ready
         self.metrics = EngineMetrics(self.name)
@@ -182,8 +183,13 @@ class TritonPythonModel:
         to its exit timeout) and an ensemble's running step never sees a cancellation.
         Asked over the server's HTTP endpoint (see `server_health`: the stub's own query can
         crash it while the server stops); through the stub only where HTTP is off."""
-        ready = model_ready(self.ready_url) if self.ready_url else None
-        if ready is None:
+        answer = model_ready(self.ready_url) if self.ready_url else Readiness.NO_ANSWER
+        self.ready_url_answered |= answer == Readiness.READY
+        if answer == Readiness.READY or answer == Readiness.NOT_READY:
+            ready = answer == Readiness.READY
+        elif answer == Readiness.REFUSED and self.ready_url_answered:
+            ready = False  # the server closed the endpoint it answered on: it is stopping
+        else:  # no usable answer (or a URL that never answered: a wrong guess of the port)
             try:
                 ready = pb_utils.is_model_ready(self.name)
             except Exception as exc:  # noqa: BLE001 - the server refuses it while exiting

@@ -12,6 +12,7 @@ command line (tritonserver is the stub's parent process).
 
 from __future__ import annotations
 
+import enum
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -56,18 +57,24 @@ def model_ready_url(server_pid: int, model_name: str) -> str | None:
     return f"http://{host}:{port}/v2/models/{urllib.parse.quote(model_name)}/ready"
 
 
-def model_ready(url: str, timeout: float = 2.0) -> bool | None:
-    """True (200); False for an HTTP error status (not ready) or a refused connection (a
-    stopping tritonserver closes its endpoints early); None when there is no answer for
-    another reason (e.g. a timeout under load: no evidence either way)."""
+class Readiness(enum.Enum):
+    READY = "ready"  # 200
+    NOT_READY = "not ready"  # an HTTP error status: not ready, or the server is stopping
+    REFUSED = "refused"  # nothing listens: a stopping tritonserver closes its endpoints early
+    NO_ANSWER = "no answer"  # e.g. a timeout under load: no evidence either way
+
+
+def model_ready(url: str, timeout: float = 2.0) -> Readiness:
+    """What the readiness endpoint at `url` says."""
     try:
         with _NO_PROXY.open(url, timeout=timeout) as response:
-            return response.status == 200
+            return Readiness.READY if response.status == 200 else Readiness.NOT_READY
     except urllib.error.HTTPError:
-        return False
+        return Readiness.NOT_READY
     except urllib.error.URLError as exc:
-        return False if isinstance(exc.reason, ConnectionRefusedError) else None
+        refused = isinstance(exc.reason, ConnectionRefusedError)
+        return Readiness.REFUSED if refused else Readiness.NO_ANSWER
     except ConnectionRefusedError:
-        return False
+        return Readiness.REFUSED
     except OSError:
-        return None
+        return Readiness.NO_ANSWER
