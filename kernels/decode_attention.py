@@ -28,35 +28,6 @@ MIN_DOT = 16  # tl.dot operands need every dimension >= 16
 
 
 @triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, o_ptr, req, kv_head,
-                 stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
-                 stride_o_tok, stride_o_head,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the NUM_SPLITS partials of each query head of KV group `kv_head` of request `req`
-    into o. One [splits, head_dim] load per head, unrolled over the group so that every load
-    is in flight at once."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    d_mask = d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s,
-                      mask=s_mask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
-        weight = tl.exp2(lse - m)
-        part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
-                       + s[:, None] * stride_po_split + d[None, :],
-                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        total = tl.sum(weight, 0)
-        out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-        tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
-                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, rows_ptr, seq_lens_ptr,
     o_ptr, part_o_ptr, part_lse_ptr,
@@ -146,10 +117,29 @@ def _decode_merge_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    _merge_group(part_o_ptr, part_lse_ptr, o_ptr, tl.program_id(0), tl.program_id(1),
-                 stride_po_req, stride_po_head, stride_po_split, stride_pl_req,
-                 stride_pl_head, stride_o_tok, stride_o_head,
-                 GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D)
+    """Merge the NUM_SPLITS partials of each query head of KV group program_id(1) of request
+    program_id(0). One [splits, head_dim] load per head, unrolled over the group so that every
+    load is in flight at once."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s,
+                      mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a request of length 0 (padding) gets zeros
+        weight = tl.exp2(lse - m)
+        part = tl.load(part_o_ptr + req * stride_po_req + head * stride_po_head
+                       + s[:, None] * stride_po_split + d[None, :],
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        total = tl.sum(weight, 0)
+        out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + d,
+                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
