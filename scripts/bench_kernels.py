@@ -6,6 +6,8 @@
    and context length; K/V bytes read per call / time = achieved bandwidth, also as a share of
    the copy bandwidth measured in the same run.
 2. SiLU-and-mul: the Triton kernel next to FlashInfer's, per token count.
+3. Sampling (temperature 0.6, no top-k / top-p) from float32 logits: the Triton kernel next to
+   the torch path, per vocabulary and batch size.
 
     python scripts/bench_kernels.py --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 64 256 \\
         --context-lens 256 1024 2048 --page-sizes 16 64 --sweep
@@ -32,6 +34,7 @@ from minisgl_backend.kvcache.pool import PagedKVPool
 ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "GB/s",
                     "of copy bw")
 SILU_HEADER = ("width", "tokens", "kernel", "us/call")
+SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -206,6 +209,32 @@ def bench_silu(args: argparse.Namespace, device: torch.device) -> list[list[str]
     return rows
 
 
+# ----- sampling ---------------------------------------------------------------------------------
+
+
+def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    from kernels.sampling import sample_from_logits
+    from minisgl_backend.engine.sampler import make_sampling_tensors, sample_with_torch
+
+    vocabs = sorted({SHAPES[s]["vocab_size"] for s in args.shapes})
+    rows: list[list[str]] = []
+    for vocab, bs in itertools.product(vocabs, args.batch_sizes):
+        logits = torch.randn(bs, vocab, device=device) * 4
+        params = make_sampling_tensors([0.6] * bs, [-1] * bs, [1.0] * bs, list(range(bs)),
+                                       [1] * bs, device)
+        params.any_filtered = False
+        uniform = torch.rand(bs, device=device, dtype=torch.float64)
+        samplers: dict[str, Callable[[], object]] = {
+            "triton": lambda: sample_from_logits(logits, params.temperature, params.top_k,
+                                                 uniform),
+            "torch": lambda: sample_with_torch(logits, params, uniform)}
+        for name, fn in samplers.items():
+            seconds = time_per_call(fn, args.calls, args.replays, device)
+            rows.append([str(vocab), str(bs), name, f"{seconds * 1e6:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -214,11 +243,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s")
     attention = bench_decode(args, device, copy_bw)
     silu = bench_silu(args, device)
+    sampling = bench_sampling(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\n## Decode attention ({name}, {'bf16' if device.type == 'cuda' else 'fp32'})\n")
     print(markdown_table(ATTENTION_HEADER, attention))
     print("\n## SiLU-and-mul\n")
     print(markdown_table(SILU_HEADER, silu))
+    print("\n## Sampling (temperature 0.6, float32 logits)\n")
+    print(markdown_table(SAMPLING_HEADER, sampling))
 
 
 if __name__ == "__main__":

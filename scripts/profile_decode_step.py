@@ -6,6 +6,8 @@ serially (launch + wait), and steps pipelined the way overlap runs them (launch 
 for N). With --trace, torch.profiler's top host-side ops and GPU kernels of ten steps follow.
 
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 1 64
+    python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 256 --prompt-len 800 \
+        --temperature 0.6 --backends triton --trace    # like the offline workload's middle
 """
 
 from __future__ import annotations
@@ -28,24 +30,25 @@ from minisgl_backend.engine.protocol import StepMessage, decode
 PROMPT_LEN = 32
 
 
-def step_messages(engine: Engine, bs: int, steps: int) -> tuple[dict, list[dict]]:
+def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_LEN,
+                  temperature: float = 0.0) -> tuple[dict, list[dict]]:
     """A prefill admitting `bs` requests, then `steps` decode steps (pages added as needed)."""
     ps = engine.page_size
-    pages_per_req = -(-(PROMPT_LEN + steps + 1) // ps)
+    pages_per_req = -(-(prompt_len + steps + 1) // ps)
     page_of = {r: list(range(r * pages_per_req, (r + 1) * pages_per_req)) for r in range(bs)}
-    first = -(-PROMPT_LEN // ps)
+    first = -(-prompt_len // ps)
     prefill = StepMessage(
-        is_prefill=True, rows=list(range(bs)), starts=[0] * bs, extend_lens=[PROMPT_LEN] * bs,
-        tokens=[(7 * r + i) % 1000 + 5 for r in range(bs) for i in range(PROMPT_LEN)],
+        is_prefill=True, rows=list(range(bs)), starts=[0] * bs, extend_lens=[prompt_len] * bs,
+        tokens=[(7 * r + i) % 1000 + 5 for r in range(bs) for i in range(prompt_len)],
         page_rows=list(range(bs)), page_counts=[first] * bs,
         new_pages=[p for r in range(bs) for p in page_of[r][:first]],
-        admit_rows=list(range(bs)), admit_temperature=[0.0] * bs, admit_top_k=[-1] * bs,
-        admit_top_p=[1.0] * bs, admit_seed=[0] * bs)
+        admit_rows=list(range(bs)), admit_temperature=[temperature] * bs,
+        admit_top_k=[-1] * bs, admit_top_p=[1.0] * bs, admit_seed=list(range(bs)))
     decodes = []
     for step in range(steps):
-        length = PROMPT_LEN + step + 1  # tokens with KV after this step
+        length = prompt_len + step + 1  # tokens with KV after this step
         msg = StepMessage(is_prefill=False, rows=list(range(bs)))
-        if (length - 1) % ps == 0 and length > PROMPT_LEN:  # this token opens a new page
+        if (length - 1) % ps == 0 and length > prompt_len:  # this token opens a new page
             page = (length - 1) // ps
             msg.page_rows, msg.page_counts = list(range(bs)), [1] * bs
             msg.new_pages = [page_of[r][page] for r in range(bs)]
@@ -53,10 +56,10 @@ def step_messages(engine: Engine, bs: int, steps: int) -> tuple[dict, list[dict]
     return decode(prefill.to_bytes())[1], decodes
 
 
-def profile(engine: Engine, bs: int, steps: int, trace: bool) -> list[str]:
+def profile(engine: Engine, bs: int, args: argparse.Namespace) -> list[str]:
     engine.page_table.fill_(engine.kv_pool.dummy_page)
     engine.row_pages[:] = 0
-    prefill, decodes = step_messages(engine, bs, steps)
+    prefill, decodes = step_messages(engine, bs, args.steps, args.prompt_len, args.temperature)
     engine.launch(prefill).wait()
     warm, timed = decodes[:10], decodes[10:]
     for msg in warm:
@@ -82,8 +85,8 @@ def profile(engine: Engine, bs: int, steps: int, trace: bool) -> list[str]:
     pending.wait()
     pipelined = (time.perf_counter() - start) / (len(timed) - half)
     replay = graph_replay_ms(engine, bs)
-    if trace:
-        print_trace(engine, bs)
+    if args.trace:
+        print_trace(engine, bs, args)
     return [str(bs), f"{replay:.3f}" if replay else "-", f"{launch_time / half * 1e3:.3f}",
             f"{serial * 1e3:.3f}", f"{pipelined * 1e3:.3f}", f"{bs / pipelined:,.0f}"]
 
@@ -104,8 +107,11 @@ def graph_replay_ms(engine: Engine, bs: int, repeats: int = 50) -> float | None:
     return begin.elapsed_time(end) / repeats
 
 
-def print_trace(engine: Engine, bs: int) -> None:
-    _, decodes = step_messages(engine, bs, 30)
+def print_trace(engine: Engine, bs: int, args: argparse.Namespace) -> None:
+    engine.page_table.fill_(engine.kv_pool.dummy_page)
+    engine.row_pages[:] = 0
+    prefill, decodes = step_messages(engine, bs, 30, args.prompt_len, args.temperature)
+    engine.launch(prefill).wait()
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -127,6 +133,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["flashinfer", "triton"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                        help="context of every request before its decode steps")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
     parser.add_argument("--trace", action="store_true")
     args = parser.parse_args()
@@ -137,14 +146,16 @@ def main() -> None:
             config = EngineConfig(
                 model_dir=str(folder), page_size=args.page_size, load_format="dummy",
                 attention_backend=backend, max_running_requests=max(args.batch_sizes),
-                max_total_tokens=max(args.batch_sizes) * (PROMPT_LEN + args.steps + 64),
+                max_total_tokens=max(args.batch_sizes) * (args.prompt_len + args.steps + 64),
                 cuda_graph_max_bs=args.cuda_graph_max_bs)
             engine = Engine(config, 0, str(Path(tmp) / f"store-{backend}"))
             for bs in args.batch_sizes:
-                rows.append([backend, *profile(engine, bs, args.steps, args.trace)])
+                rows.append([backend, *profile(engine, bs, args)])
             del engine
             destroy_process_group()
-    print(f"shape {args.shape}, page size {args.page_size}, greedy, {args.steps} steps")
+    sampling = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
+    print(f"shape {args.shape}, page size {args.page_size}, {sampling}, prompt "
+          f"{args.prompt_len} tokens, {args.steps} steps")
     print(markdown_table(["backend", "batch", "graph replay ms", "launch host ms",
                           "serial step ms", "pipelined step ms", "pipelined tok/s"], rows))
 

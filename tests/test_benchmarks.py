@@ -212,7 +212,10 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
         capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
-    assert header == ["width", "tokens", "kernel", "us/call"] and rows[0][2] == "triton"
+    assert header == ["vocab", "batch", "sampler", "us/call"]
+    assert [row[2] for row in rows] == ["triton", "torch"] and all(number(r[3]) > 0 for r in rows)
+    silu = run.stdout.split("## SiLU-and-mul")[1].split("## Sampling")[0]
+    assert "| triton |" in silu
     attention = run.stdout.split("## SiLU-and-mul")[0]
     variants = [line.split("|")[5].strip() for line in attention.splitlines()
                 if line.startswith("| tiny-qwen3")]

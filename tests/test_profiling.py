@@ -1,4 +1,5 @@
-"""MINISGL_PROFILE_DIR: host profiles of the scheduler thread and every engine rank."""
+"""MINISGL_PROFILE_DIR: host profiles of the scheduler thread and every engine rank;
+MINISGL_STEP_TIMES_DIR: the device timeline of each engine rank."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.engine.step_times import STEP_TIMES_DIR_ENV, StepTimeline
 from minisgl_backend.profiling import PROFILE_DIR_ENV
 from tests.conftest import mixed_prompts
 
@@ -31,3 +33,40 @@ def test_no_profiles_without_the_variable(tiny_models: dict[str, Path], tmp_path
     with LLM(tiny_models["qwen3"], device="cpu") as llm:
         llm.generate(mixed_prompts(1), SamplingParams(max_tokens=2, ignore_eos=True))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_step_timeline_accounts_for_every_step(tiny_models: dict[str, Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_STEP_TIMES_DIR: the engine rank reports every step the scheduler sent, per
+    phase and per decode batch size, with busy and idle times."""
+    folder = tmp_path / "steps"
+    monkeypatch.setenv(STEP_TIMES_DIR_ENV, str(folder))
+    monkeypatch.delenv(PROFILE_DIR_ENV, raising=False)
+    with LLM(tiny_models["qwen3"], device="cpu") as llm:
+        llm.generate(mixed_prompts(3), SamplingParams(max_tokens=5, ignore_eos=True))
+        steps = llm.scheduler.num_steps
+    text = (folder / "engine-rank0-steps.txt").read_text()
+    assert text.startswith(f"steps: {steps}, device busy ")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines()
+            if line.startswith("| ") and line.split("|")[2].strip().isdigit()}
+    assert int(rows["prefill"][0]) + int(rows["decode"][0]) == steps
+    assert int(rows["decode"][0]) >= 4 and float(rows["decode"][1]) > 0
+    assert int(rows["8"][0]) == int(rows["decode"][0])  # every decode batch held 3 requests
+
+
+def test_step_timeline_resolves_steps_in_order() -> None:
+    """Busy time is each step's own span; idle time is the gap after the previous step, with
+    long waits for work left out."""
+    import torch
+
+    timeline = StepTimeline(torch.device("cpu"))
+    marks = iter([0.0, 0.002, 0.003, 0.004, 0.5, 0.501])
+    timeline._mark = lambda: next(marks)  # type: ignore[method-assign]
+    for phase, bs in (("prefill", 2), ("decode", 2), ("decode", 2)):
+        timeline.begin()
+        timeline.end(phase, bs)
+    timeline.summary()
+    assert timeline.phases["prefill"].busy == pytest.approx(0.002)
+    assert timeline.phases["decode"].busy == pytest.approx(0.002)
+    assert timeline.phases["decode"].idle == pytest.approx(0.001)  # 0.002 -> 0.003
+    assert timeline.waits_for_work == 1  # 0.004 -> 0.5

@@ -21,6 +21,7 @@ from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
+from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.models import ModelConfig, create_model
 
@@ -88,6 +89,7 @@ class Engine:
         )
         self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend)
         set_global_ctx(self.ctx)
+        self.timeline = StepTimeline.from_env(self.device)  # MINISGL_STEP_TIMES_DIR
         self.graph_runner: CudaGraphRunner | None = None
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
@@ -157,6 +159,8 @@ class Engine:
     def launch(self, msg: dict[str, np.ndarray]) -> StepHandle:
         """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
         the next message can be applied while this step runs)."""
+        if self.timeline is not None:
+            self.timeline.begin()
         rows = msg["rows"].astype(np.int64)
         if "admit_rows" in msg:
             self._admit(msg)
@@ -188,7 +192,10 @@ class Engine:
             # Two pinned buffers: step N+1 is launched before step N's ids are read.
             host = self._host_tokens[self.num_launched % 2]
         self.num_launched += 1
-        return StepHandle(next_tokens, host, batch)
+        handle = StepHandle(next_tokens, host, batch)
+        if self.timeline is not None:
+            self.timeline.end(batch.phase, len(rows))
+        return handle
 
 
     def _admit(self, msg: dict[str, np.ndarray]) -> None:

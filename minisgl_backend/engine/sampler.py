@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minisgl_backend.layers.fast_ops import use_triton_kernels
+
 _MASK32 = 0xFFFFFFFF
 _UINT64_MASK = (1 << 64) - 1
 
@@ -171,21 +173,34 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     Greedy rows (temperature == 0 or top_k == 1) get exactly `torch.argmax`. Other rows sample
     from softmax(logits / temperature) restricted to the top-k logits, then to the top-p
     nucleus of the renormalized distribution, using `seeded_uniform(seed, position)`; rows
-    without top-k / top-p need no sort (inverse CDF in token-id order).
+    without top-k / top-p need no sort (inverse CDF in token-id order). On a GPU, batches
+    without top-k / top-p go through one Triton kernel (`kernels.sampling`) instead.
     """
     logits = logits.float()
-    greedy_ids = torch.argmax(logits, dim=-1)
     if params.all_greedy:
-        return greedy_ids
-
+        return torch.argmax(logits, dim=-1)
     device = logits.device
+    uniform = params.uniform
+    if uniform is None:
+        uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
+    if not params.any_filtered and use_triton_kernels(logits):
+        from kernels.sampling import sample_from_logits
+
+        return sample_from_logits(logits, params.temperature.to(device),
+                                  params.top_k.to(device), uniform.to(device))
+    return sample_with_torch(logits, params, uniform)
+
+
+def sample_with_torch(logits: torch.Tensor, params: SamplingTensors,
+                      uniform: torch.Tensor) -> torch.Tensor:
+    """`sample`'s torch path (every device; the reference): float32 `logits`, the rows'
+    seeded uniforms on their device."""
+    device = logits.device
+    greedy_ids = torch.argmax(logits, dim=-1)
     greedy = _greedy_rows(params).to(device)
     temperature = params.temperature.to(device=device, dtype=torch.float32)
     temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temperature.unsqueeze(1)
-    uniform = params.uniform
-    if uniform is None:
-        uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
     sampled_ids = _sample_unsorted(scaled, uniform)
     if params.any_filtered:
         # Stable sort: ties are ordered by token id, so the result never depends on the kernel.

@@ -39,6 +39,8 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
         }))
         with profiled(f"engine-rank{rank}"):
             _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
+        if engine.timeline is not None:
+            engine.timeline.write(f"engine-rank{rank}")
         exit_code = 0
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         exit_code = 0  # the scheduler went away: exit quietly

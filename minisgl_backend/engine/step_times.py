@@ -1,0 +1,138 @@
+"""Opt-in device timeline of an engine rank: is the device busy, or waiting for the host?
+
+With `MINISGL_STEP_TIMES_DIR` set, every step records when the device started and ended it
+(CUDA events on a GPU, wall time around the synchronous step on CPU), and when the step loop
+ends the rank writes `<dir>/engine-rank<N>-steps.txt`: device busy time per phase, the idle
+time between consecutive steps (the device waiting for the scheduler and the engine's host
+work: what overlap scheduling should hide), and both per decode batch size. Unlike the cProfile
+of `MINISGL_PROFILE_DIR`, it adds no host work beyond two events per step, so the gaps it
+reports are the real ones.
+
+    MINISGL_STEP_TIMES_DIR=/tmp/steps python scripts/bench_offline.py --shape qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+STEP_TIMES_DIR_ENV = "MINISGL_STEP_TIMES_DIR"
+# A gap longer than this is the engine waiting for work (no requests), not a slow host turn.
+WAIT_FOR_WORK_S = 0.1
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Totals:
+    steps: int = 0
+    busy: float = 0.0
+    idle: float = 0.0  # before this kind of step, gaps up to WAIT_FOR_WORK_S
+
+
+@dataclass
+class _Pending:
+    start: object
+    end: object
+    phase: str
+    batch_size: int
+
+
+@dataclass
+class StepTimeline:
+    """Records steps with `begin()` / `end(phase, batch_size)`; `summary()` is the report."""
+
+    device: torch.device
+    phases: dict[str, _Totals] = field(default_factory=lambda: defaultdict(_Totals))
+    decode_buckets: dict[int, _Totals] = field(default_factory=lambda: defaultdict(_Totals))
+    waits_for_work: int = 0
+    largest_gap: float = 0.0
+    _pending: deque = field(default_factory=deque)
+    _start: object = None
+    _previous_end: object = None
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> StepTimeline | None:
+        return cls(device) if os.environ.get(STEP_TIMES_DIR_ENV) else None
+
+    def _mark(self) -> object:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, first: object, second: object) -> float:
+        if self.device.type != "cuda":
+            return second - first  # type: ignore[operator]
+        return first.elapsed_time(second) / 1e3  # type: ignore[union-attr]
+
+    def begin(self) -> None:
+        self._resolve(wait=False)
+        self._start = self._mark()
+
+    def end(self, phase: str, batch_size: int) -> None:
+        self._pending.append(_Pending(self._start, self._mark(), phase, batch_size))
+
+    def _resolve(self, wait: bool) -> None:
+        """Account every recorded step whose end the device has passed (all of them if wait)."""
+        while self._pending:
+            step = self._pending[0]
+            if self.device.type == "cuda":
+                if wait:
+                    step.end.synchronize()
+                elif not step.end.query():
+                    return
+            self._pending.popleft()
+            busy = self._seconds(step.start, step.end)
+            gap = 0.0 if self._previous_end is None else max(
+                0.0, self._seconds(self._previous_end, step.start))
+            self._previous_end = step.end
+            if gap > WAIT_FOR_WORK_S:
+                self.waits_for_work += 1
+                gap = 0.0
+            self.largest_gap = max(self.largest_gap, gap)
+            totals = [self.phases[step.phase]]
+            if step.phase == "decode":
+                bucket = next((b for b in BATCH_BUCKETS if step.batch_size <= b), step.batch_size)
+                totals.append(self.decode_buckets[bucket])
+            for t in totals:
+                t.steps += 1
+                t.busy += busy
+                t.idle += gap
+
+    def summary(self) -> str:
+        self._resolve(wait=True)
+        steps = sum(t.steps for t in self.phases.values())
+        busy = sum(t.busy for t in self.phases.values())
+        idle = sum(t.idle for t in self.phases.values())
+        lines = [
+            f"steps: {steps}, device busy {busy:.3f} s, idle between steps {idle:.3f} s "
+            f"({idle / max(busy + idle, 1e-12):.1%}; largest gap {self.largest_gap * 1e3:.2f} ms;"
+            f" {self.waits_for_work} waits for work over {WAIT_FOR_WORK_S} s not counted)",
+            "",
+            "| phase | steps | busy s | idle s | busy ms/step | idle ms/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [_row(name, t) for name, t in sorted(self.phases.items())]
+        lines += ["", "| decode batch up to | steps | busy s | idle s | busy ms/step | "
+                      "idle ms/step |", "|---|---|---|---|---|---|"]
+        lines += [_row(str(b), t) for b, t in sorted(self.decode_buckets.items())]
+        return "\n".join(lines) + "\n"
+
+    def write(self, name: str) -> Path:
+        folder = Path(os.environ[STEP_TIMES_DIR_ENV])
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}-steps.txt"
+        path.write_text(self.summary())
+        return path
+
+
+def _row(name: str, t: _Totals) -> str:
+    n = max(t.steps, 1)
+    return (f"| {name} | {t.steps} | {t.busy:.3f} | {t.idle:.3f} | {t.busy / n * 1e3:.3f} | "
+            f"{t.idle / n * 1e3:.3f} |")
