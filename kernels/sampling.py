@@ -1,14 +1,19 @@
-"""Temperature sampling (and greedy rows) straight from the logits: one program per row.
+"""Temperature sampling (and greedy rows) straight from the logits, in two small kernels.
 
 The torch sampler (`minisgl_backend.engine.sampler`) runs ~10 kernels over the whole
-[batch, vocab] float32 logits per step (scale, softmax, cumsum, searchsorted, argmax, ...),
-each reading and most writing 150 MB at batch 256 with Qwen3's vocabulary. This kernel reads
-each row at most twice and writes one id: an online max and sum of exp over the row, then a
-scan that stops at the first token whose cumulative mass passes `uniform * total`, the same
-inverse-CDF rule in token-id order as the torch path (float rounding may move a pick that
-lies within rounding of a boundary). Rows whose temperature is 0 or whose top_k is 1 take the
-first index of the largest logit (torch.argmax's tie rule). Top-k / top-p rows are not
-handled here: they need the sorted path.
+[batch, vocab] logits per step (scale, softmax, cumsum, searchsorted, argmax, ...), each
+reading and most writing 150 MB at batch 256 with Qwen3's vocabulary. Here the logits are read
+once, plus one chunk per row:
+
+1. grid (rows, chunks): per chunk of the vocabulary, the largest scaled logit, the first index
+   holding it, and the sum of exp(scaled - chunk max);
+2. grid (rows,): the row's total mass from the chunk sums, the chunk where the cumulative mass
+   passes `uniform * total`, then a scan of that chunk alone for the first token past it.
+
+That is the inverse-CDF rule in token-id order of the torch path (float rounding may move a
+pick that lies within rounding of a boundary). Rows whose temperature is 0 or whose top_k is
+1 take the first index of the largest logit (torch.argmax's tie rule). Top-k / top-p rows are
+not handled here: they need the sorted path.
 """
 
 from __future__ import annotations
@@ -19,67 +24,72 @@ import triton.language as tl
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, out_ptr,
-                   vocab, BLOCK: tl.constexpr):
+def _is_greedy(temperature_ptr, top_k_ptr, row):
+    return (tl.load(temperature_ptr + row) <= 0) | (tl.load(top_k_ptr + row) == 1)
+
+
+@triton.jit
+def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, max_ptr,
+                        argmax_ptr, sum_ptr, vocab, num_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    offsets = tl.arange(0, BLOCK)
-    temperature = tl.load(temperature_ptr + row)
-    greedy = (temperature <= 0) | (tl.load(top_k_ptr + row) == 1)
-    if greedy:
-        best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-        best_idx = tl.min(tl.zeros([BLOCK], tl.int32), 0)
-        for start in range(0, vocab, BLOCK):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            block_best = tl.max(x, 0)
-            first = tl.min(tl.where(x == block_best, cols, vocab), 0)
-            better = block_best > best  # strictly: an earlier block keeps a tie
-            best_idx = tl.where(better, first, best_idx)
-            best = tl.maximum(best, block_best)
-        tl.store(out_ptr + row, best_idx.to(tl.int64))
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
+                other=float("-inf")).to(tl.float32)
+    if not _is_greedy(temperature_ptr, top_k_ptr, row):
+        x = x / tl.load(temperature_ptr + row)  # monotone: the argmax stays where it is
+    chunk_max = tl.max(x, 0)
+    # -inf entries (padding, masked stop ids) add nothing, also in an all -inf chunk.
+    mass = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 0)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, chunk_max)
+    tl.store(argmax_ptr + out, tl.min(tl.where(x == chunk_max, cols, vocab), 0))
+    tl.store(sum_ptr + out, mass)
+
+
+@triton.jit
+def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, max_ptr,
+                 argmax_ptr, sum_ptr, out_ptr, vocab, num_chunks, CHUNK: tl.constexpr,
+                 CHUNKS_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS_P2)
+    valid = chunks < num_chunks
+    stats = row * num_chunks + chunks
+    chunk_max = tl.load(max_ptr + stats, mask=valid, other=float("-inf"))
+    row_max = tl.max(chunk_max, 0)
+    if _is_greedy(temperature_ptr, top_k_ptr, row):
+        best = tl.min(tl.where(chunk_max == row_max, chunks, CHUNKS_P2), 0)
+        tl.store(out_ptr + row, tl.load(argmax_ptr + row * num_chunks + best).to(tl.int64))
     else:
-        # Pass 1: max and sum of exp(x - max) of the scaled row, in one read (online softmax).
-        run_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-        run_sum = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        for start in range(0, vocab, BLOCK):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            x = x / temperature
-            new_max = tl.maximum(run_max, tl.max(x, 0))
-            # -inf entries (padding, masked stop ids) add nothing, also while the max is -inf.
-            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - new_max))
-            scale = tl.where(run_max == float("-inf"), 0.0, tl.exp(run_max - new_max))
-            run_sum = run_sum * scale + tl.sum(p, 0)
-            run_max = new_max
-        target = (tl.load(uniform_ptr + row).to(tl.float64) * run_sum.to(tl.float64)
+        mass = tl.load(sum_ptr + stats, mask=valid, other=0.0)
+        mass = tl.where(chunk_max == float("-inf"), 0.0, mass * tl.exp(chunk_max - row_max))
+        cdf = tl.cumsum(mass, 0)
+        target = (tl.load(uniform_ptr + row).to(tl.float64) * tl.sum(mass, 0).to(tl.float64)
                   ).to(tl.float32)
-        # Pass 2: the first token whose cumulative mass exceeds the target; it stops there.
-        cum = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        choice = tl.min(tl.full([BLOCK], -1, tl.int32), 0)
-        last_kept = tl.min(tl.zeros([BLOCK], tl.int32), 0)  # rounding fallback: never a p=0
-        start = tl.min(tl.zeros([BLOCK], tl.int32), 0)
-        while (start < vocab) & (choice < 0):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            x = x / temperature
-            p = tl.where(x == float("-inf"), 0.0, tl.exp(x - run_max))
-            cdf = cum + tl.cumsum(p, 0)
-            hit = tl.min(tl.where(cdf > target, cols, vocab), 0)
-            choice = tl.where(hit < vocab, hit, choice)
-            last_kept = tl.maximum(last_kept, tl.max(tl.where(p > 0, cols, 0), 0))
-            cum = tl.max(cdf, 0)
-            start += BLOCK
-        choice = tl.where(choice < 0, last_kept, choice)
-        tl.store(out_ptr + row, choice.to(tl.int64))
+        # The chunk the target falls in; past the end (rounding): the last chunk with mass.
+        chosen = tl.min(tl.where(cdf > target, chunks, CHUNKS_P2), 0)
+        last = tl.max(tl.where(mass > 0, chunks, 0), 0)
+        chosen = tl.where(chosen < num_chunks, chosen, last)
+        before = tl.sum(tl.where(chunks < chosen, mass, 0.0), 0)
+        cols = chosen * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
+                    other=float("-inf")).to(tl.float32)
+        x = x / tl.load(temperature_ptr + row)
+        p = tl.where(x == float("-inf"), 0.0, tl.exp(x - row_max))
+        token_cdf = before + tl.cumsum(p, 0)
+        pick = tl.min(tl.where(token_cdf > target, cols, vocab), 0)
+        # Rounding may leave the chunk's scan short of the target: its last token with mass.
+        last_kept = tl.max(tl.where(p > 0, cols, 0), 0)
+        tl.store(out_ptr + row, tl.where(pick < vocab, pick, last_kept).to(tl.int64))
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       uniform: torch.Tensor, block: int = 2048) -> torch.Tensor:
+                       uniform: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """One token id per row of `logits` [bs, vocab] (int64 [bs]).
 
     temperature [bs] (<= 0: greedy), top_k [bs] (only 1 is looked at: greedy), uniform [bs]
-    in (0, 1): the row's draw for the inverse CDF.
+    in (0, 1): the row's draw for the inverse CDF. `chunk`: vocabulary entries per program
+    (a power of two).
     """
     bs, vocab = logits.shape
     if logits.stride(1) != 1:
@@ -87,7 +97,16 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
         return out
-    _sample_kernel[(bs,)](logits, logits.stride(0), temperature.contiguous(),
-                          top_k.contiguous(), uniform.contiguous(), out, vocab,
-                          BLOCK=block, num_warps=8)
+    num_chunks = triton.cdiv(vocab, chunk)
+    chunk_max = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty_like(chunk_max)
+    chunk_argmax = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
+    temperature, top_k, uniform = temperature.contiguous(), top_k.contiguous(), uniform.contiguous()
+    _chunk_stats_kernel[(bs, num_chunks)](
+        logits, logits.stride(0), temperature, top_k, chunk_max, chunk_argmax, chunk_sum, vocab,
+        num_chunks, CHUNK=chunk, num_warps=4)
+    _pick_kernel[(bs,)](
+        logits, logits.stride(0), temperature, top_k, uniform, chunk_max, chunk_argmax,
+        chunk_sum, out, vocab, num_chunks, CHUNK=chunk,
+        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)), num_warps=4)
     return out

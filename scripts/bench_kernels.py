@@ -6,8 +6,9 @@
    and context length; K/V bytes read per call / time = achieved bandwidth, also as a share of
    the copy bandwidth measured in the same run.
 2. SiLU-and-mul: the Triton kernel next to FlashInfer's, per token count.
-3. Sampling (temperature 0.6, no top-k / top-p) from float32 logits: the Triton kernel next to
-   the torch path, per vocabulary and batch size.
+3. Sampling (temperature 0.6, no top-k / top-p) from the model's bf16 logits: the Triton
+   kernels next to the torch path (which first makes a float32 copy), per vocabulary and batch
+   size.
 
     python scripts/bench_kernels.py --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 64 256 \\
         --context-lens 256 1024 2048 --page-sizes 16 64 --sweep
@@ -219,15 +220,19 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
     vocabs = sorted({SHAPES[s]["vocab_size"] for s in args.shapes})
     rows: list[list[str]] = []
     for vocab, bs in itertools.product(vocabs, args.batch_sizes):
-        logits = torch.randn(bs, vocab, device=device) * 4
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        logits = (torch.randn(bs, vocab, device=device) * 4).to(dtype)
         params = make_sampling_tensors([0.6] * bs, [-1] * bs, [1.0] * bs, list(range(bs)),
                                        [1] * bs, device)
         params.any_filtered = False
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
+        chunks = (1024, 2048, 4096, 8192) if args.sweep else (None,)
         samplers: dict[str, Callable[[], object]] = {
-            "triton": lambda: sample_from_logits(logits, params.temperature, params.top_k,
-                                                 uniform),
-            "torch": lambda: sample_with_torch(logits, params, uniform)}
+            "triton" + (f" chunk {c}" if c else ""): (
+                lambda c=c: sample_from_logits(logits, params.temperature, params.top_k,
+                                               uniform, **({"chunk": c} if c else {})))
+            for c in chunks}
+        samplers["torch"] = lambda: sample_with_torch(logits.float(), params, uniform)
         for name, fn in samplers.items():
             seconds = time_per_call(fn, args.calls, args.replays, device)
             rows.append([str(vocab), str(bs), name, f"{seconds * 1e6:.1f}"])
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(ATTENTION_HEADER, attention))
     print("\n## SiLU-and-mul\n")
     print(markdown_table(SILU_HEADER, silu))
-    print("\n## Sampling (temperature 0.6, float32 logits)\n")
+    print("\n## Sampling (temperature 0.6, model-dtype logits)\n")
     print(markdown_table(SAMPLING_HEADER, sampling))
 
 

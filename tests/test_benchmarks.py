@@ -213,7 +213,8 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
     assert header == ["vocab", "batch", "sampler", "us/call"]
-    assert [row[2] for row in rows] == ["triton", "torch"] and all(number(r[3]) > 0 for r in rows)
+    assert [row[2] for row in rows] == [f"triton chunk {c}" for c in (1024, 2048, 4096, 8192)] \
+        + ["torch"] and all(number(r[3]) > 0 for r in rows)
     silu = run.stdout.split("## SiLU-and-mul")[1].split("## Sampling")[0]
     assert "| triton |" in silu
     attention = run.stdout.split("## SiLU-and-mul")[0]

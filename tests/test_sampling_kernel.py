@@ -1,7 +1,7 @@
 """The Triton sampling kernel against the inverse-CDF rule it implements and torch.argmax.
 
 Without CUDA the kernel runs in Triton's interpreter on CPU tensors; with CUDA it runs compiled.
-Draws are placed at the middle of a chosen token's probability interval (computed in float64),
+Rows span several chunks of the vocabulary. Draws are placed at the middle of a chosen token's probability interval (computed in float64),
 so the expected pick is exact and no rounding can move it.
 """
 
@@ -12,21 +12,21 @@ import pytest
 import torch
 
 from kernels import is_interpreted
-from kernels.sampling import _sample_kernel, sample_from_logits
+from kernels.sampling import _pick_kernel, sample_from_logits
 from minisgl_backend.engine.sampler import make_sampling_tensors, sample
 
-INTERPRETED = is_interpreted(_sample_kernel)
+INTERPRETED = is_interpreted(_pick_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
-# The interpreter trips numpy's deprecation of int() on 1-element arrays at every loop bound.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+# The interpreter's numpy warns about -inf - -inf in the branch that tl.where then discards.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")
 DEVICES = [
     pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
         not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
     pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
                                           pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
 ]
-VOCAB = 1000  # several 256-wide blocks, the last one partial
-BLOCK = 256
+VOCAB = 1300  # six 256-wide chunks (padded to 8 in the pick kernel), the last one partial
+CHUNK = 256
 
 
 def _cdf64(row: torch.Tensor, temperature: float) -> np.ndarray:
@@ -49,10 +49,11 @@ def _logits(bs: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 def test_temperature_rows_pick_the_token_of_their_draw(device: str) -> None:
     """Each row gets a draw inside a chosen token's interval (first, last, middle, and tokens
-    in different blocks); masked (-inf) logits are never picked."""
+    in different chunks); masked (-inf) logits are never picked, also a whole masked chunk."""
     logits = _logits(6, seed=1)
     logits[:, VOCAB - 40:] = float("-inf")  # like min_tokens' masked stop ids
     logits[2, 0] = 12.0  # a dominant first token
+    logits[4, CHUNK: 2 * CHUNK] = float("-inf")  # a chunk without mass
     temperatures = [0.6, 1.0, 0.6, 1.7, 0.3, 1.0]
     rng = np.random.default_rng(0)
     uniforms, expected = [], []
@@ -66,7 +67,7 @@ def test_temperature_rows_pick_the_token_of_their_draw(device: str) -> None:
     ids = sample_from_logits(
         logits.to(device), torch.tensor(temperatures, device=device),
         torch.full((6,), -1, device=device), torch.tensor(uniforms, dtype=torch.float64,
-                                                         device=device), block=BLOCK)
+                                                         device=device), chunk=CHUNK)
     assert ids.dtype == torch.int64
     assert ids.cpu().tolist() == expected
 
@@ -74,28 +75,28 @@ def test_temperature_rows_pick_the_token_of_their_draw(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_draw_at_the_top_picks_the_last_token_with_mass(device: str) -> None:
     """A draw at the very top of the range (rounding may leave the scan short of it) falls back
-    to the last token with non-zero mass, never to a masked one."""
+    to the last token with non-zero mass, never to a masked one (chunks 3-5 have none)."""
     logits = _logits(2, seed=2)
     logits[:, 700:] = float("-inf")
     uniform = torch.full((2,), 1.0 - 0.5 / 2**32, dtype=torch.float64)
     ids = sample_from_logits(logits.to(device), torch.ones(2, device=device),
-                             torch.full((2,), -1, device=device), uniform.to(device), block=BLOCK)
+                             torch.full((2,), -1, device=device), uniform.to(device), chunk=CHUNK)
     assert ids.cpu().tolist() == [699, 699]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_rows_take_the_first_largest_logit(device: str) -> None:
     """temperature 0 or top_k 1 means argmax, ties going to the lowest index (torch's rule):
-    a tie within one block and a tie across blocks."""
+    a tie within one chunk and a tie across chunks."""
     logits = _logits(4, seed=3)
-    logits[0, [10, 20]] = 50.0  # same block
-    logits[1, [100, 900]] = 50.0  # different blocks
-    logits[3, VOCAB - 1] = 50.0  # in the partial last block
+    logits[0, [10, 20]] = 50.0  # same chunk
+    logits[1, [100, 900]] = 50.0  # different chunks
+    logits[3, VOCAB - 1] = 50.0  # in the partial last chunk
     temperature = torch.tensor([0.0, 0.0, 0.8, 0.0])
     top_k = torch.tensor([-1, -1, 1, 5])  # row 2: top_k 1 overrides the temperature
     ids = sample_from_logits(logits.to(device), temperature.to(device), top_k.to(device),
                              torch.full((4,), 0.5, dtype=torch.float64, device=device),
-                             block=BLOCK)
+                             chunk=CHUNK)
     assert ids.cpu().tolist() == torch.argmax(logits, dim=-1).tolist()
     assert ids.cpu().tolist()[:2] == [10, 100]
 

@@ -168,7 +168,8 @@ def _sample_sorted(
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Sample one token id per row of `logits` [bs, vocab]; returns [bs] int64.
+    """Sample one token id per row of `logits` [bs, vocab] (any float dtype, computed in
+    float32); returns [bs] int64.
 
     Greedy rows (temperature == 0 or top_k == 1) get exactly `torch.argmax`. Other rows sample
     from softmax(logits / temperature) restricted to the top-k logits, then to the top-p
@@ -176,9 +177,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     without top-k / top-p need no sort (inverse CDF in token-id order). On a GPU, batches
     without top-k / top-p go through one Triton kernel (`kernels.sampling`) instead.
     """
-    logits = logits.float()
     if params.all_greedy:
-        return torch.argmax(logits, dim=-1)
+        return torch.argmax(logits, dim=-1)  # the same index in any precision of the logits
     device = logits.device
     uniform = params.uniform
     if uniform is None:
@@ -188,7 +188,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
 
         return sample_from_logits(logits, params.temperature.to(device),
                                   params.top_k.to(device), uniform.to(device))
-    return sample_with_torch(logits, params, uniform)
+    return sample_with_torch(logits.float(), params, uniform)
 
 
 def sample_with_torch(logits: torch.Tensor, params: SamplingTensors,

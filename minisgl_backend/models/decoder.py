@@ -120,7 +120,8 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """`forward()` reads the batch from the context and returns logits of each request's last
-    token, [batch, vocab] in float32."""
+    token, [batch, vocab] in the model's dtype (the sampler reads half-precision logits as they
+    are: writing a float32 copy would cost a pass over [batch, vocab] per step)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -144,4 +145,4 @@ class CausalLM(nn.Module):
             last = host_to_device(batch.extend_lens, x.device).cumsum(0) - 1
             x, residual = x[last], residual[last]
         x, _ = self.model.norm.forward_with_residual(x, residual)
-        return self.lm_head(x).float()
+        return self.lm_head(x)
