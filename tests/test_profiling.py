@@ -45,7 +45,9 @@ def test_step_timeline_accounts_for_every_step(tiny_models: dict[str, Path], tmp
     with LLM(tiny_models["qwen3"], device="cpu") as llm:
         llm.generate(mixed_prompts(3), SamplingParams(max_tokens=5, ignore_eos=True))
         steps = llm.scheduler.num_steps
-    text = (folder / "engine-rank0-steps.txt").read_text()
+    (report,) = folder.glob("engine-rank0-*-steps.txt")
+    title, text = report.read_text().split("\n", 1)
+    assert "max_running_requests 256" in title
     assert text.startswith(f"steps: {steps}, device busy ")
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines()
             if line.startswith("| ") and line.split("|")[2].strip().isdigit()}

@@ -156,11 +156,12 @@ class Engine:
         return max(1, tokens // self.page_size)
 
     @torch.inference_mode()
-    def launch(self, msg: dict[str, np.ndarray]) -> StepHandle:
+    def launch(self, msg: dict[str, np.ndarray], waited: float = 0.0) -> StepHandle:
         """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
-        the next message can be applied while this step runs)."""
+        the next message can be applied while this step runs). `waited`: seconds this rank
+        waited for the message (for the step timeline)."""
         if self.timeline is not None:
-            self.timeline.begin()
+            self.timeline.begin(waited)
         rows = msg["rows"].astype(np.int64)
         if "admit_rows" in msg:
             self._admit(msg)

@@ -2,13 +2,15 @@
 
 With `MINISGL_STEP_TIMES_DIR` set, every step records when the device started and ended it
 (CUDA events on a GPU, wall time around the synchronous step on CPU), and when the step loop
-ends the rank writes `<dir>/engine-rank<N>-steps.txt`: device busy time per phase, the idle
+ends the rank writes `<dir>/engine-rank<N>-<pid>-steps.txt`: device busy time per phase, the idle
 time between consecutive steps (the device waiting for the scheduler and the engine's host
-work: what overlap scheduling should hide), and both per decode batch size. Unlike the cProfile
-of `MINISGL_PROFILE_DIR`, it adds no host work beyond two events per step, so the gaps it
-reports are the real ones.
+work: what overlap scheduling should hide), and both per decode batch size, next to the two
+host times that make up the turnaround: the engine's own work to launch a step, and its wait
+for the scheduler's next step message. Unlike the cProfile of `MINISGL_PROFILE_DIR`, it adds no
+host work beyond two events and a few clock reads per step, so the gaps it reports are real.
 
     MINISGL_STEP_TIMES_DIR=/tmp/steps python scripts/bench_offline.py --shape qwen3-0.6b
+    cat /tmp/steps/engine-rank0-*-steps.txt
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class _Totals:
     steps: int = 0
     busy: float = 0.0
     idle: float = 0.0  # before this kind of step, gaps up to WAIT_FOR_WORK_S
+    launch: float = 0.0  # host: applying the message and launching the step
+    wait: float = 0.0  # host: waiting for this step's message (up to WAIT_FOR_WORK_S)
 
 
 @dataclass
@@ -40,6 +44,8 @@ class _Pending:
     end: object
     phase: str
     batch_size: int
+    launch: float
+    wait: float
 
 
 @dataclass
@@ -53,6 +59,8 @@ class StepTimeline:
     largest_gap: float = 0.0
     _pending: deque = field(default_factory=deque)
     _start: object = None
+    _begun: float = 0.0
+    _waited: float = 0.0
     _previous_end: object = None
 
     @classmethod
@@ -71,12 +79,17 @@ class StepTimeline:
             return second - first  # type: ignore[operator]
         return first.elapsed_time(second) / 1e3  # type: ignore[union-attr]
 
-    def begin(self) -> None:
+    def begin(self, waited: float = 0.0) -> None:
+        """A step's launch starts; `waited`: seconds the rank waited for its message."""
+        self._begun = time.perf_counter()
+        self._waited = waited if waited <= WAIT_FOR_WORK_S else 0.0
         self._resolve(wait=False)
         self._start = self._mark()
 
     def end(self, phase: str, batch_size: int) -> None:
-        self._pending.append(_Pending(self._start, self._mark(), phase, batch_size))
+        end = self._mark()
+        self._pending.append(_Pending(self._start, end, phase, batch_size,
+                                      time.perf_counter() - self._begun, self._waited))
 
     def _resolve(self, wait: bool) -> None:
         """Account every recorded step whose end the device has passed (all of them if wait)."""
@@ -104,35 +117,44 @@ class StepTimeline:
                 t.steps += 1
                 t.busy += busy
                 t.idle += gap
+                t.launch += step.launch
+                t.wait += step.wait
 
-    def summary(self) -> str:
+    def summary(self, title: str = "") -> str:
         self._resolve(wait=True)
         steps = sum(t.steps for t in self.phases.values())
         busy = sum(t.busy for t in self.phases.values())
         idle = sum(t.idle for t in self.phases.values())
-        lines = [
+        lines = [title] if title else []
+        lines += [
             f"steps: {steps}, device busy {busy:.3f} s, idle between steps {idle:.3f} s "
             f"({idle / max(busy + idle, 1e-12):.1%}; largest gap {self.largest_gap * 1e3:.2f} ms;"
             f" {self.waits_for_work} waits for work over {WAIT_FOR_WORK_S} s not counted)",
             "",
-            "| phase | steps | busy s | idle s | busy ms/step | idle ms/step |",
-            "|---|---|---|---|---|---|",
+            "device: busy / idle between steps; host: the engine launching the step / waiting "
+            "for its message",
+            "",
+            "| phase | steps | busy s | idle s | busy ms/step | idle ms/step | launch ms/step | "
+            "wait ms/step |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, t) for name, t in sorted(self.phases.items())]
         lines += ["", "| decode batch up to | steps | busy s | idle s | busy ms/step | "
-                      "idle ms/step |", "|---|---|---|---|---|---|"]
+                      "idle ms/step | launch ms/step | wait ms/step |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [_row(str(b), t) for b, t in sorted(self.decode_buckets.items())]
         return "\n".join(lines) + "\n"
 
-    def write(self, name: str) -> Path:
+    def write(self, name: str, title: str) -> Path:
+        """`<dir>/<name>-<pid>-steps.txt` (several engines may share the folder)."""
         folder = Path(os.environ[STEP_TIMES_DIR_ENV])
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{name}-steps.txt"
-        path.write_text(self.summary())
+        path = folder / f"{name}-{os.getpid()}-steps.txt"
+        path.write_text(self.summary(title))
         return path
 
 
 def _row(name: str, t: _Totals) -> str:
     n = max(t.steps, 1)
     return (f"| {name} | {t.steps} | {t.busy:.3f} | {t.idle:.3f} | {t.busy / n * 1e3:.3f} | "
-            f"{t.idle / n * 1e3:.3f} |")
+            f"{t.idle / n * 1e3:.3f} | {t.launch / n * 1e3:.3f} | {t.wait / n * 1e3:.3f} |")

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import shutil
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -40,7 +41,9 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
         with profiled(f"engine-rank{rank}"):
             _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
         if engine.timeline is not None:
-            engine.timeline.write(f"engine-rank{rank}")
+            engine.timeline.write(f"engine-rank{rank}", f"{config.model_dir}: page size "
+                                  f"{config.page_size}, max_running_requests "
+                                  f"{config.max_running_requests}, overlap {config.overlap}")
         exit_code = 0
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         exit_code = 0  # the scheduler went away: exit quietly
@@ -72,6 +75,7 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
             conn.send_bytes(protocol.encode(protocol.TOKENS, {"tokens": tokens}))
 
     while True:
+        asked = time.perf_counter()
         kind, arrays = protocol.decode(conn.recv_bytes())
         if kind == protocol.SHUTDOWN:
             return
@@ -80,7 +84,7 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
                 answer(pending)
                 pending = None
             continue
-        handle = engine.launch(arrays)
+        handle = engine.launch(arrays, waited=time.perf_counter() - asked)
         if not overlap:
             answer(handle)
             continue
