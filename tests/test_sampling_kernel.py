@@ -1,8 +1,9 @@
-"""The Triton sampling kernel against the inverse-CDF rule it implements and torch.argmax.
+"""The Triton sampling kernels against the inverse-CDF rule they implement and torch.argmax.
 
-Without CUDA the kernel runs in Triton's interpreter on CPU tensors; with CUDA it runs compiled.
-Rows span several chunks of the vocabulary. Draws are placed at the middle of a chosen token's probability interval (computed in float64),
-so the expected pick is exact and no rounding can move it.
+Without CUDA the kernels run in Triton's interpreter on CPU tensors; with CUDA they run
+compiled. Rows span several chunks of the vocabulary. Draws are placed at the middle of a
+chosen token's probability interval (computed in float64), so the expected pick is exact and
+no rounding can move it.
 """
 
 from __future__ import annotations
