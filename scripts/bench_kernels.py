@@ -36,6 +36,7 @@ ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "G
                     "of copy bw")
 SILU_HEADER = ("width", "tokens", "kernel", "us/call")
 SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
+PARTS = ("attention", "silu", "sampling")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--silu-tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--calls", type=int, default=8, help="kernel calls per captured graph")
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                        help="which tables to make")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     return parser.parse_args(argv)
 
@@ -243,19 +246,24 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
-    copy_bw = measure_copy_bandwidth(device) if device.type == "cuda" else 0.0
+    copy_bw = measure_copy_bandwidth(device) if device.type == "cuda" \
+        and "attention" in args.parts else 0.0
     if copy_bw:
         print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s")
-    attention = bench_decode(args, device, copy_bw)
-    silu = bench_silu(args, device)
-    sampling = bench_sampling(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\n## Decode attention ({name}, {'bf16' if device.type == 'cuda' else 'fp32'})\n")
-    print(markdown_table(ATTENTION_HEADER, attention))
-    print("\n## SiLU-and-mul\n")
-    print(markdown_table(SILU_HEADER, silu))
-    print("\n## Sampling (temperature 0.6, model-dtype logits)\n")
-    print(markdown_table(SAMPLING_HEADER, sampling))
+    tables = []
+    if "attention" in args.parts:
+        tables.append((f"Decode attention ({name}, "
+                       f"{'bf16' if device.type == 'cuda' else 'fp32'})", ATTENTION_HEADER,
+                       bench_decode(args, device, copy_bw)))
+    if "silu" in args.parts:
+        tables.append(("SiLU-and-mul", SILU_HEADER, bench_silu(args, device)))
+    if "sampling" in args.parts:
+        tables.append(("Sampling (temperature 0.6, model-dtype logits)", SAMPLING_HEADER,
+                       bench_sampling(args, device)))
+    for title, header, rows in tables:
+        print(f"\n## {title}\n")
+        print(markdown_table(header, rows))
 
 
 if __name__ == "__main__":
