@@ -1,10 +1,11 @@
 """Opt-in host profiles of the scheduler thread and the engine processes.
 
 With `MINISGL_PROFILE_DIR` set, each profiled block (the scheduler thread's loop, each engine
-rank's step loop) runs under cProfile and, when it ends, writes `<dir>/<name>.prof` and a text
-summary `<dir>/<name>.txt` (own time and cumulative time, top 30 each). It tells where host time
-goes per step (Python work, waits on pipes or on the device) on a real workload; off (the
-default) it costs nothing.
+rank's step loop) runs under cProfile and, when it ends, writes `<dir>/<name>-<pid>.prof` and a
+text summary `<dir>/<name>-<pid>.txt` (own time and cumulative time, top 30 each; several
+engines, e.g. a benchmark's offline runs and a server's, may share the folder). It tells where
+host time goes per step (Python work, waits on pipes or on the device) on a real workload; off
+(the default) it costs nothing.
 
     MINISGL_PROFILE_DIR=/tmp/prof python scripts/bench_offline.py --shape qwen3-0.6b
 """
@@ -40,6 +41,7 @@ def profiled(name: str) -> Iterator[None]:
 
 def write_profile(profile: cProfile.Profile, folder: Path, name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    name = f"{name}-{os.getpid()}"
     profile.dump_stats(str(folder / f"{name}.prof"))
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)

@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=1024, help="input and output lengths")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="an extra tritonserver option, e.g. "
+                             "--server-arg=--allow-gpu-metrics=false (repeatable)")
     parser.add_argument("--pa-max-threads", type=int, default=1,
                         help="perf_analyzer --max-threads; 1 (default): one thread serves "
                              "every slot in request order, as the offline rows do; 0: "
@@ -319,7 +322,8 @@ def server_runs(args: argparse.Namespace, folder: Path, workload: Workload, warm
     repository = model_repository(work, server_parameters(args, folder))
     data = input_data(workload, work / "input.json")
     warmup_data = input_data(warmup, work / "warmup.json")
-    server = Tritonserver.start(repository, work / "server.log", env)
+    server = Tritonserver.start(repository, work / "server.log", env,
+                                extra_args=tuple(args.server_arg))
     print(f"tritonserver pid {server.process.pid}, gRPC {server.grpc_url}, log "
           f"{server.log_path}", flush=True)
     runs = {}

@@ -20,10 +20,12 @@ def test_profiles_of_scheduler_and_engine_are_written(tiny_models: dict[str, Pat
     monkeypatch.setenv(PROFILE_DIR_ENV, str(folder))  # inherited by the spawned engines
     with LLM(tiny_models["qwen3"], device="cpu") as llm:
         llm.generate(mixed_prompts(2), SamplingParams(max_tokens=4, ignore_eos=True))
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "engine-rank0.prof", "engine-rank0.txt", "scheduler.prof", "scheduler.txt"]
-    assert "_send_next_step" in (folder / "scheduler.txt").read_text()
-    assert "launch" in (folder / "engine-rank0.txt").read_text()
+    names = sorted(p.name.rsplit("-", 1)[0] + p.suffix for p in folder.iterdir())
+    assert names == ["engine-rank0.prof", "engine-rank0.txt", "scheduler.prof", "scheduler.txt"]
+    (scheduler,) = folder.glob("scheduler-*.txt")
+    (engine,) = folder.glob("engine-rank0-*.txt")
+    assert "_send_next_step" in scheduler.read_text()
+    assert "launch" in engine.read_text()
 
 
 def test_no_profiles_without_the_variable(tiny_models: dict[str, Path], tmp_path: Path,
@@ -57,18 +59,22 @@ def test_step_timeline_accounts_for_every_step(tiny_models: dict[str, Path], tmp
 
 
 def test_step_timeline_resolves_steps_in_order() -> None:
-    """Busy time is each step's own span; idle time is the gap after the previous step, with
-    long waits for work left out."""
+    """Busy time runs from each forward's start to the step's end; waits are the gap after the
+    previous step plus the time before the forward, long waits for work left out."""
     import torch
 
     timeline = StepTimeline(torch.device("cpu"))
-    marks = iter([0.0, 0.002, 0.003, 0.004, 0.5, 0.501])
+    # (launch start, forward start, end) per step
+    marks = iter([0.0, 0.001, 0.002, 0.003, 0.0035, 0.004, 0.5, 0.5002, 0.501])
     timeline._mark = lambda: next(marks)  # type: ignore[method-assign]
     for phase, bs in (("prefill", 2), ("decode", 2), ("decode", 2)):
         timeline.begin()
+        timeline.forward()
         timeline.end(phase, bs)
     timeline.summary()
-    assert timeline.phases["prefill"].busy == pytest.approx(0.002)
-    assert timeline.phases["decode"].busy == pytest.approx(0.002)
-    assert timeline.phases["decode"].idle == pytest.approx(0.001)  # 0.002 -> 0.003
+    assert timeline.phases["prefill"].busy == pytest.approx(0.001)
+    assert timeline.phases["prefill"].idle == pytest.approx(0.001)  # launch -> forward
+    assert timeline.phases["decode"].busy == pytest.approx(0.0005 + 0.0008)
+    # 0.002 -> 0.003 between steps, then 0.0005 and 0.0002 before the forwards
+    assert timeline.phases["decode"].idle == pytest.approx(0.001 + 0.0005 + 0.0002)
     assert timeline.waits_for_work == 1  # 0.004 -> 0.5

@@ -170,6 +170,8 @@ class Engine:
         self._map_new_pages(msg["page_rows"].astype(np.int64), msg["page_counts"].astype(np.int64),
                             msg["new_pages"])
         batch = self._make_batch(rows, msg)
+        if self.timeline is not None:
+            self.timeline.forward()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(batch, self.page_table)
         else:

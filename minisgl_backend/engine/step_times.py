@@ -1,13 +1,16 @@
 """Opt-in device timeline of an engine rank: is the device busy, or waiting for the host?
 
-With `MINISGL_STEP_TIMES_DIR` set, every step records when the device started and ended it
-(CUDA events on a GPU, wall time around the synchronous step on CPU), and when the step loop
-ends the rank writes `<dir>/engine-rank<N>-<pid>-steps.txt`: device busy time per phase, the idle
-time between consecutive steps (the device waiting for the scheduler and the engine's host
-work: what overlap scheduling should hide), and both per decode batch size, next to the two
-host times that make up the turnaround: the engine's own work to launch a step, and its wait
-for the scheduler's next step message. Unlike the cProfile of `MINISGL_PROFILE_DIR`, it adds no
-host work beyond two events and a few clock reads per step, so the gaps it reports are real.
+With `MINISGL_STEP_TIMES_DIR` set, every step marks three points on the device's stream (CUDA
+events on a GPU, wall time around the synchronous step on CPU): the start of its launch, the
+start of its forward (inputs are in place), and its end. When the step loop ends the rank writes
+`<dir>/engine-rank<N>-<pid>-steps.txt`, per phase and per decode batch size: the device's
+time from forward start to end ("busy"; for eager steps it includes waits for the host's
+kernel launches), its time waiting before the forward could start ("waits": the host had not
+yet applied the step's message and launched it, after the previous step ended: what overlap
+scheduling should hide), and the two host times of the turnaround: the engine's own work to
+launch a step, and its wait for the scheduler's next step message. Unlike the cProfile of
+`MINISGL_PROFILE_DIR`, it adds no host work beyond three events and a few clock reads per
+step, so the waits it reports are real.
 
     MINISGL_STEP_TIMES_DIR=/tmp/steps python scripts/bench_offline.py --shape qwen3-0.6b
     cat /tmp/steps/engine-rank0-*-steps.txt
@@ -32,8 +35,8 @@ BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
 @dataclass
 class _Totals:
     steps: int = 0
-    busy: float = 0.0
-    idle: float = 0.0  # before this kind of step, gaps up to WAIT_FOR_WORK_S
+    busy: float = 0.0  # forward start -> step end
+    idle: float = 0.0  # previous step end -> forward start, gaps up to WAIT_FOR_WORK_S
     launch: float = 0.0  # host: applying the message and launching the step
     wait: float = 0.0  # host: waiting for this step's message (up to WAIT_FOR_WORK_S)
 
@@ -41,6 +44,7 @@ class _Totals:
 @dataclass
 class _Pending:
     start: object
+    forward: object
     end: object
     phase: str
     batch_size: int
@@ -59,6 +63,7 @@ class StepTimeline:
     largest_gap: float = 0.0
     _pending: deque = field(default_factory=deque)
     _start: object = None
+    _forward: object = None
     _begun: float = 0.0
     _waited: float = 0.0
     _previous_end: object = None
@@ -84,11 +89,15 @@ class StepTimeline:
         self._begun = time.perf_counter()
         self._waited = waited if waited <= WAIT_FOR_WORK_S else 0.0
         self._resolve(wait=False)
-        self._start = self._mark()
+        self._start = self._forward = self._mark()
+
+    def forward(self) -> None:
+        """The step's inputs are in place; its forward is launched next."""
+        self._forward = self._mark()
 
     def end(self, phase: str, batch_size: int) -> None:
         end = self._mark()
-        self._pending.append(_Pending(self._start, end, phase, batch_size,
+        self._pending.append(_Pending(self._start, self._forward, end, phase, batch_size,
                                       time.perf_counter() - self._begun, self._waited))
 
     def _resolve(self, wait: bool) -> None:
@@ -101,13 +110,14 @@ class StepTimeline:
                 elif not step.end.query():
                     return
             self._pending.popleft()
-            busy = self._seconds(step.start, step.end)
+            busy = self._seconds(step.forward, step.end)
             gap = 0.0 if self._previous_end is None else max(
                 0.0, self._seconds(self._previous_end, step.start))
             self._previous_end = step.end
             if gap > WAIT_FOR_WORK_S:
                 self.waits_for_work += 1
                 gap = 0.0
+            gap += self._seconds(step.start, step.forward)
             self.largest_gap = max(self.largest_gap, gap)
             totals = [self.phases[step.phase]]
             if step.phase == "decode":
@@ -127,20 +137,20 @@ class StepTimeline:
         idle = sum(t.idle for t in self.phases.values())
         lines = [title] if title else []
         lines += [
-            f"steps: {steps}, device busy {busy:.3f} s, idle between steps {idle:.3f} s "
+            f"steps: {steps}, device busy {busy:.3f} s, waiting for the host {idle:.3f} s "
             f"({idle / max(busy + idle, 1e-12):.1%}; largest gap {self.largest_gap * 1e3:.2f} ms;"
             f" {self.waits_for_work} waits for work over {WAIT_FOR_WORK_S} s not counted)",
             "",
-            "device: busy / idle between steps; host: the engine launching the step / waiting "
-            "for its message",
+            "device: busy in the step / waiting for the host before it; host: the engine "
+            "launching the step / waiting for its message",
             "",
-            "| phase | steps | busy s | idle s | busy ms/step | idle ms/step | launch ms/step | "
+            "| phase | steps | busy s | waits s | busy ms/step | waits ms/step | launch ms/step | "
             "wait ms/step |",
             "|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(name, t) for name, t in sorted(self.phases.items())]
-        lines += ["", "| decode batch up to | steps | busy s | idle s | busy ms/step | "
-                      "idle ms/step | launch ms/step | wait ms/step |",
+        lines += ["", "| decode batch up to | steps | busy s | waits s | busy ms/step | "
+                      "waits ms/step | launch ms/step | wait ms/step |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [_row(str(b), t) for b, t in sorted(self.decode_buckets.items())]
         return "\n".join(lines) + "\n"
