@@ -3,7 +3,8 @@
 For each attention backend and batch size it prints: the device time of one CUDA-graph replay
 (the GPU-bound floor), the host time of `Engine.launch` (what overlap must hide), one step run
 serially (launch + wait), and steps pipelined the way overlap runs them (launch N+1, then wait
-for N). With --trace, torch.profiler's top host-side ops and GPU kernels of ten steps follow.
+for N). With --trace, torch.profiler's top host-side ops and GPU kernels of ten steps follow,
+then the host ops of one request's (eager) prefill.
 
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 1 64
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 256 --prompt-len 800 \
@@ -107,6 +108,29 @@ def graph_replay_ms(engine: Engine, bs: int, repeats: int = 50) -> float | None:
     return begin.elapsed_time(end) / repeats
 
 
+def print_prefill_trace(engine: Engine, args: argparse.Namespace) -> None:
+    """Host ops of one request's prefill (`--prompt-len` tokens, eager: no CUDA graph), the step
+    a newly arrived request costs the device's other requests under continuous batching."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine.page_table.fill_(engine.kv_pool.dummy_page)
+    engine.row_pages[:] = 0
+    prefill, _ = step_messages(engine, 1, 1, args.prompt_len, args.temperature)
+    engine.launch(prefill).wait()  # warm
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        handle = engine.launch(prefill)
+        timings.append(time.perf_counter() - start)
+        handle.wait()
+    print(f"one request's prefill of {args.prompt_len} tokens: launch host "
+          f"{min(timings) * 1e3:.2f} ms (best of 5)")
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.launch(prefill).wait()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def print_trace(engine: Engine, bs: int, args: argparse.Namespace) -> None:
     engine.page_table.fill_(engine.kv_pool.dummy_page)
     engine.row_pages[:] = 0
@@ -151,6 +175,8 @@ def main() -> None:
             engine = Engine(config, 0, str(Path(tmp) / f"store-{backend}"))
             for bs in args.batch_sizes:
                 rows.append([backend, *profile(engine, bs, args)])
+            if args.trace:
+                print_prefill_trace(engine, args)
             del engine
             destroy_process_group()
     sampling = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
