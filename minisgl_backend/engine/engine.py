@@ -8,7 +8,9 @@ previous step: the scheduler never has to send them back.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import sys
 
 import numpy as np
 import torch
@@ -23,7 +25,10 @@ from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.kvcache.pool import PagedKVPool
+from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module
 from minisgl_backend.models import ModelConfig, create_model
+
+logger = logging.getLogger(__name__)
 
 MAX_CPU_DEFAULT_TOKENS = 1 << 20
 
@@ -87,6 +92,10 @@ class Engine:
             config.attention_backend, self.kv_pool, num_local_heads, mc.head_dim, self.device,
             max_pages_per_request=self.page_table.shape[1],
         )
+        if self.device.type == "cuda" and self.dtype in HALF_TYPES and rank == 0 \
+                and flashinfer_module() is None:
+            logger.warning("flashinfer is not importable here: norms, activations and prefill "
+                           "attention fall back to slower kernels (sys.path: %s)", sys.path)
         self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend)
         set_global_ctx(self.ctx)
         self.timeline = StepTimeline.from_env(self.device)  # MINISGL_STEP_TIMES_DIR
