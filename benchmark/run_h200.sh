@@ -36,15 +36,16 @@ WARM=$!
 if wants tests; then
   CUDA_VISIBLE_DEVICES=0 step 600 tests-triton python3 -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_qkv_prologue.py tests/test_fused_moe.py \
-    tests/test_activation.py tests/test_gpu_engine.py -k "not flashinfer and not tensor_parallel"
+    tests/test_activation.py tests/test_sampling_kernel.py tests/test_gpu_engine.py \
+    -k "not flashinfer and not tensor_parallel"
 fi
 wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
 wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprovider \
   tests/test_gpu_engine.py tests/test_triton_attention.py -k "flashinfer or tensor_parallel"
 export CUDA_VISIBLE_DEVICES=0
-for shape in qwen3-0.6b llama-3.1-8b; do
-  wants offline && TAIL=1 step 180 "offline-$shape" python3 scripts/bench_offline.py \
-    --shape "$shape" --page-size 64
+for shape in qwen3-0.6b llama-3.1-8b; do  # + each engine's device timeline in OUT/steps
+  wants offline && MINISGL_STEP_TIMES_DIR="$OUT/steps" TAIL=1 step 180 "offline-$shape" \
+    python3 scripts/bench_offline.py --shape "$shape" --page-size 64
 done
 if wants decode; then
   step 600 decode-llama-3.1-8b python3 scripts/bench_decode.py --shape llama-3.1-8b \
