@@ -1,10 +1,13 @@
 """The attention prologue in one kernel: q/k RMSNorm (optional), RoPE, and the KV-pool store.
 
 Replaces, per layer, the `.contiguous()` copies, the two head norms, the rotary kernel and the
-two scatters that sit between the QKV GEMM and attention. One program per (token, head): heads
-[0, num_heads) are query heads, written rotated to `out`; the next num_kv_heads programs each
-rotate one K head into the token's pool slot and copy the matching V head there unchanged. The
-grid depends only on the token and head counts, so a launch can be captured in a CUDA graph.
+two scatters that sit between the QKV GEMM and attention. Each program takes one token and a
+group of `heads_per_program` heads of one kind: query groups write their heads rotated to
+`out`; KV groups rotate their K heads into the token's pool slot and copy the matching V heads
+there unchanged. One head per program spreads a token over the most SMs (decode at small
+batch); several heads per program load the token's position and cos/sin once and give each
+program more work (many tokens). The grid depends only on the token and head counts, so a
+launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,21 +18,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_head(src, dst, norm_w_ptr, cos, sin, eps,
-                    HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One head of HEAD_DIM = 2 * HALF values: optional RMSNorm, then NeoX ("rotate half")
-    RoPE, all in fp32, from `src` to `dst` (which may be `src`: every element is read by the
-    thread that writes it, before it writes)."""
-    i = tl.arange(0, HALF)
-    x1 = tl.load(src + i).to(tl.float32)
-    x2 = tl.load(src + HALF + i).to(tl.float32)
+def _norm_rope_heads(src, dst, mask, norm_w_ptr, cos, sin, eps,
+                     HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads of HEAD_DIM = 2 * HALF values, one per row of the [heads, 1] pointer blocks `src`
+    and `dst` (rows outside `mask` are skipped): optional RMSNorm, then NeoX ("rotate half")
+    RoPE, all in fp32. `dst` may be `src`: every element is read by the thread that writes it,
+    before it writes."""
+    i = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        mean_sq = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
+        mean_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1))[:, None] / (2 * HALF)
         scale = tl.rsqrt(mean_sq + eps)
         x1 = x1 * scale * tl.load(norm_w_ptr + i).to(tl.float32)
         x2 = x2 * scale * tl.load(norm_w_ptr + HALF + i).to(tl.float32)
-    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty))
-    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty))
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -38,29 +42,33 @@ def _qkv_prologue_kernel(
     out_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, eps,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head, stride_cs_pos, stride_cache_slot, stride_cache_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    group = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
-    i = tl.arange(0, HALF)
+    Q_GROUPS: tl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
+    i = tl.arange(0, HALF)[None, :]
     # The table row holds cos of every frequency, then sin.
     cs_row = cos_sin_ptr + tl.load(positions_ptr + tok).to(tl.int64) * stride_cs_pos
     cos = tl.load(cs_row + i)
     sin = tl.load(cs_row + HALF + i)
-    if head < NUM_HEADS:
-        _norm_rope_head(q_ptr + tok * stride_q_tok + head * stride_q_head,
-                        out_ptr + tok * stride_o_tok + head * stride_o_head,
-                        q_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+    if group < Q_GROUPS:
+        head = (group * HEADS + tl.arange(0, HEADS))[:, None]
+        _norm_rope_heads(q_ptr + tok * stride_q_tok + head * stride_q_head,
+                         out_ptr + tok * stride_o_tok + head * stride_o_head,
+                         head < NUM_HEADS, q_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
     else:
-        kv_head = head - NUM_HEADS
+        kv_head = ((group - Q_GROUPS) * HEADS + tl.arange(0, HEADS))[:, None]
+        mask = kv_head < NUM_KV_HEADS
         dst = tl.load(slots_ptr + tok).to(tl.int64) * stride_cache_slot \
             + kv_head * stride_cache_head
-        _norm_rope_head(k_ptr + tok * stride_k_tok + kv_head * stride_k_head, k_cache_ptr + dst,
-                        k_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
-        d = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_ptr + tok * stride_v_tok + kv_head * stride_v_head + d)
-        tl.store(v_cache_ptr + dst + d, v.to(v_cache_ptr.dtype.element_ty))
+        _norm_rope_heads(k_ptr + tok * stride_k_tok + kv_head * stride_k_head,
+                         k_cache_ptr + dst, mask, k_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        v = tl.load(v_ptr + tok * stride_v_tok + kv_head * stride_v_head + d, mask=mask)
+        tl.store(v_cache_ptr + dst + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_qk_norm_rope_store(
@@ -77,6 +85,7 @@ def fused_qk_norm_rope_store(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
+    heads_per_program: int = 1,
 ) -> torch.Tensor:
     """Norm + RoPE q and k, store k and v in the pool; return the rotated q [tokens, heads, dim].
 
@@ -91,12 +100,15 @@ def fused_qk_norm_rope_store(
     q_norm_weight/k_norm_weight [dim], both or neither: RMSNorm of each head with `eps` first.
     out: where q goes, [tokens, heads, dim] with a unit last stride (`out=q` rotates in place,
     into the GEMM output); by default a new contiguous tensor of q's dtype. Math is fp32; every
-    output is rounded once to its tensor's dtype.
+    output is rounded once to its tensor's dtype. heads_per_program: a power of two (see the
+    module's docstring); the result does not depend on it.
     """
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, \
         f"head_dim must be a power of two (got {head_dim})"
+    assert heads_per_program >= 1 and heads_per_program & (heads_per_program - 1) == 0, \
+        f"heads_per_program must be a power of two (got {heads_per_program})"
     assert k.shape == (tokens, num_kv_heads, head_dim) and v.shape == k.shape, \
         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, \
@@ -123,12 +135,15 @@ def fused_qk_norm_rope_store(
     # Unused pointers when there is no norm: any tensor will do.
     q_w = q_norm_weight if has_norm else cos_sin_cache
     k_w = k_norm_weight if has_norm else cos_sin_cache
-    _qkv_prologue_kernel[(tokens, num_heads + num_kv_heads)](
+    groups = triton.cdiv(num_heads, heads_per_program) \
+        + triton.cdiv(num_kv_heads, heads_per_program)
+    _qkv_prologue_kernel[(tokens, groups)](
         q, k, v, positions, cos_sin_cache, out_slots, out, k_cache, v_cache, q_w, k_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        num_warps=max(1, min(4, head_dim // 128)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS=heads_per_program, HAS_NORM=has_norm,
+        num_warps=max(1, min(4, heads_per_program * head_dim // 128)),
     )
     return out

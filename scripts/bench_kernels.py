@@ -9,6 +9,8 @@
 3. Sampling (temperature 0.6, no top-k / top-p) from the model's bf16 logits: the Triton
    kernels next to the torch path (which first makes a float32 copy), per vocabulary and batch
    size.
+4. The attention prologue (q/k norm for Qwen3, RoPE, KV store) per token count, with 1, 2, 4
+   and 8 heads per program.
 
     python scripts/bench_kernels.py --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 64 256 \\
         --context-lens 256 1024 2048 --page-sizes 16 64 --sweep
@@ -36,7 +38,8 @@ ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "G
                     "of copy bw")
 SILU_HEADER = ("width", "tokens", "kernel", "us/call")
 SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
-PARTS = ("attention", "silu", "sampling")
+PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
+PARTS = ("attention", "silu", "sampling", "prologue")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -243,6 +246,44 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
+# ----- attention prologue -----------------------------------------------------------------------
+
+
+def bench_prologue(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    from kernels.qkv_prologue import fused_qk_norm_rope_store
+    from minisgl_backend.layers.rotary import RotaryEmbedding, rope_inv_freq
+    from minisgl_backend.models.config import RopeConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[list[str]] = []
+    for shape, tokens in itertools.product(args.shapes, args.batch_sizes):
+        config = SHAPES[shape]
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+        rope = RotaryEmbedding(rope_inv_freq(head_dim, RopeConfig(theta=1e6)), 32768)
+        rope.to(device)
+        cache = rope.cos_sin_cache()
+        positions = torch.randint(0, 4096, (tokens,), device=device)
+        pool = PagedKVPool(1, -(-tokens // 16) + 1, 16, kv_heads, head_dim, dtype, device)
+        slots = torch.randperm(tokens, device=device)
+        norm = torch.ones(head_dim, device=device, dtype=dtype) \
+            if config["model_type"].startswith("qwen3") else None
+        out = torch.empty_like(q)
+        for per_program in (1, 2, 4, 8):
+            def call(n: int = per_program) -> object:
+                return fused_qk_norm_rope_store(
+                    q, k, v, positions, cache, slots, pool.k_cache(0), pool.v_cache(0),
+                    q_norm_weight=norm, k_norm_weight=norm, out=out, heads_per_program=n)
+
+            seconds = time_per_call(call, args.calls, args.replays, device)
+            rows.append([shape, str(tokens), str(per_program), f"{seconds * 1e6:.2f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -261,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     if "sampling" in args.parts:
         tables.append(("Sampling (temperature 0.6, model-dtype logits)", SAMPLING_HEADER,
                        bench_sampling(args, device)))
+    if "prologue" in args.parts:
+        tables.append(("Attention prologue (q/k norm for Qwen3, RoPE, KV store)",
+                       PROLOGUE_HEADER, bench_prologue(args, device)))
     for title, header, rows in tables:
         print(f"\n## {title}\n")
         print(markdown_table(header, rows))

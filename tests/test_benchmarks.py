@@ -212,6 +212,9 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
         capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
+    assert header == ["shape", "tokens", "heads per program", "us/call"]
+    assert [row[2] for row in rows] == ["1", "2", "4", "8"] and all(number(r[3]) > 0 for r in rows)
+    header, rows = last_table(run.stdout.split("## Attention prologue")[0])
     assert header == ["vocab", "batch", "sampler", "us/call"]
     assert [row[2] for row in rows] == [f"triton chunk {c}" for c in (1024, 2048, 4096, 8192)] \
         + ["torch"] and all(number(r[3]) > 0 for r in rows)
