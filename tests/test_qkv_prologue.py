@@ -96,7 +96,8 @@ class Case:
         slots = torch.randperm(num_pages * PAGE_SIZE, generator=gen)[:tokens]
         self.out_slots = slots.to(dev)
 
-    def run(self, out: torch.Tensor | None = None, heads_per_program: int = 1) -> torch.Tensor:
+    def run(self, out: torch.Tensor | None = None,
+            heads_per_program: int | None = None) -> torch.Tensor:
         q_w, k_w = self.norms or (None, None)
         return fused_qk_norm_rope_store(
             self.q, self.k, self.v, self.positions, self.rope.cos_sin_cache(), self.out_slots,
@@ -141,7 +142,7 @@ def test_matches_reference(target: Target, heads: tuple[int, int], head_dim: int
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("heads_per_program", [2, 4])
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4, 8])
 @pytest.mark.parametrize("heads", [pytest.param((12, 3), id="gqa12x3")])
 def test_head_groups_give_the_same_result(target: Target, heads: tuple[int, int],
                                           heads_per_program: int) -> None:
