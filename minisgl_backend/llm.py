@@ -48,6 +48,8 @@ class LLM:
             for benchmarks of real shapes without weights on disk).
         cuda_graph_max_bs: GPU: decode batches up to this size replay CUDA graphs; 0: off.
         overlap: GPU: the engine prepares and launches step N+1 while step N runs.
+        mixed_prefill: a prefill step also decodes one token of every running request, so
+            that arriving requests do not pause the running ones for a step.
         debug_checks: verify page accounting after every step (slow; for tests).
     """
 
@@ -68,6 +70,7 @@ class LLM:
         load_format: str = "auto",
         cuda_graph_max_bs: int = 256,
         overlap: bool = True,
+        mixed_prefill: bool = False,
         debug_checks: bool = False,
     ) -> None:
         _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
@@ -92,7 +95,8 @@ class LLM:
             cuda_graph_max_bs=cuda_graph_max_bs, overlap=bool(overlap),
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
-                                 cache=cache, debug_checks=debug_checks)
+                                 cache=cache, debug_checks=debug_checks,
+                                 mixed_prefill=bool(mixed_prefill))
         self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
                                    model_config.vocab_size)
 

@@ -111,9 +111,10 @@ def test_bench_mechanisms(outputs: dict[str, subprocess.CompletedProcess]) -> No
 
 
 def test_bench_triton_offline() -> None:
-    """Offline API and tritonserver + perf_analyzer on the same 4 requests (CPU, about 30 s)."""
+    """Offline API and tritonserver + perf_analyzer on the same 4 requests (CPU, about 30 s),
+    with mixed prefill steps (a model parameter of the server)."""
     args = ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4", "--max-len", "12",
-            "--concurrency", "2"]
+            "--concurrency", "2", "--mixed-prefill"]
     run = subprocess.run([sys.executable, str(SCRIPTS / "bench_triton_offline.py"), *COMMON,
                           *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=TIMEOUT_S)
@@ -136,6 +137,7 @@ def test_bench_triton_offline() -> None:
     assert [r["vs offline"] for r in records[:2]] == ["-", "-"]
     assert records[2]["vs offline"].endswith("%") and number(records[2]["vs offline"]) > 0
     assert number(records[2]["mean in flight"]) <= 2  # perf_analyzer kept at most 2 in flight
+    assert "'mixed_prefill': 'true'" in run.stdout  # the server's engine settings
 
 
 # ----- the shared pieces, in-process ----------------------------------------------------------

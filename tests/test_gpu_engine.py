@@ -124,3 +124,28 @@ def test_float32_seeded_sampling_is_reproducible(gpu_models: dict[str, Path]) ->
     assert batched == alone == on_cpu
     greedy = generate(model, prompts, dtype="float32", attention_backend="triton")
     assert batched != greedy  # really sampled
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_float32_mixed_prefill_equals_hf(gpu_models: dict[str, Path]) -> None:
+    """Prefill steps with decode rows riding along (requests admitted while others decode),
+    graphs and overlap on."""
+    prompts = mixed_prompts(8)
+    tokens = generate(gpu_models["llama"], prompts, dtype="float32", attention_backend="triton",
+                      mixed_prefill=True, max_running_requests=3, chunked_prefill_size=24,
+                      page_size=4)
+    assert tokens == hf_greedy(gpu_models["llama"], prompts, MAX_TOKENS)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_bfloat16_flashinfer_mixed_prefill_agrees_with_torch_reference(
+        gpu_models: dict[str, Path]) -> None:
+    """FlashInfer's prefill with one-token decode rows in its batches."""
+    prompts = mixed_prompts(8)
+    settings = dict(dtype="bfloat16", mixed_prefill=True, max_running_requests=3,
+                    chunked_prefill_size=24, page_size=4)
+    reference = generate(gpu_models["qwen3"], prompts, attention_backend="torch",
+                         cuda_graph_max_bs=0, overlap=False, **settings)
+    fast = generate(gpu_models["qwen3"], prompts, attention_backend="flashinfer", **settings)
+    assert [t[0] for t in fast] == [t[0] for t in reference]
+    assert sum(f == r for f, r in zip(fast, reference)) >= 6, (fast, reference)

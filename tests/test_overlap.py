@@ -76,6 +76,9 @@ def workload(tiny_models: dict[str, Path]) -> tuple[list[list[int]], list[Sampli
     {},
     {"page_size": 16, "chunked_prefill_size": 24},
     {"max_total_tokens": 192, "max_running_requests": 4},  # requests wait; pages are evicted
+    # Prefill steps that also decode the running requests, with requests admitted over time.
+    {"mixed_prefill": True, "max_running_requests": 4, "chunked_prefill_size": 24,
+     "page_size": 4},
 ])
 def test_overlap_on_and_off_give_identical_outputs(tiny_models: dict[str, Path], workload,
                                                    settings: dict) -> None:  # noqa: ANN001

@@ -159,7 +159,8 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     batch, admitted = prefill.schedule([])
     assert batch == admitted == reqs
     fake_scheduler = SimpleNamespace(cache=cache)
-    msg = Scheduler._step_message(fake_scheduler, batch, admitted, True)  # type: ignore[arg-type]
+    msg = Scheduler._step_message(fake_scheduler, batch, admitted, True,  # type: ignore[arg-type]
+                                  len(batch))
     arrays = _roundtrip(msg)
 
     assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
@@ -180,10 +181,28 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     for req in batch:
         req.cached_len = req.device_len
         req.device_len += 1
-    msg = Scheduler._step_message(fake_scheduler, batch, [], False)  # type: ignore[arg-type]
+    msg = Scheduler._step_message(fake_scheduler, batch, [], False, 0)  # type: ignore[arg-type]
     arrays = _roundtrip(msg)
     assert set(arrays) == BASE_FIELDS
     grew = [r for r in reqs if r.device_len % page_size == 1]  # crossed into a new page
     assert arrays["page_rows"].tolist() == [r.table_idx for r in grew]
     assert arrays["page_counts"].tolist() == [1] * len(grew)
     assert arrays["new_pages"].tolist() == [r.pages[-1] for r in grew]
+
+    # A mixed prefill step: a new request's prompt, then the running requests as decode rows
+    # (rows only: the engine takes their input tokens from its token pool).
+    for req in batch:
+        req.cached_len = req.device_len
+        req.device_len += 1
+    new = Req(uid=99, input_ids=[7] * 5, prompt_len=5, sampling_params=SamplingParams(),
+              seed=1)
+    prefill.add(new)
+    step, admitted = prefill.schedule(batch)
+    assert step == admitted == [new]
+    msg = Scheduler._step_message(fake_scheduler, [new, *batch], [new],  # type: ignore[arg-type]
+                                  True, 1)
+    arrays = _roundtrip(msg)
+    assert arrays["rows"].tolist() == [new.table_idx, *(r.table_idx for r in batch)]
+    assert arrays["starts"].tolist() == [0] and arrays["extend_lens"].tolist() == [5]
+    assert arrays["tokens"].tolist() == [7] * 5
+    assert arrays["admit_rows"].tolist() == [new.table_idx]

@@ -89,8 +89,9 @@ def test_engine_settings_from_parameters(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="page_size"):
         engine_settings({"page_size": "sixteen"})
     assert engine_settings({"load_format": ""}) == {}  # LLM's default: "auto"
-    assert engine_settings({"load_format": " dummy ", "overlap": "false"}) == {
-        "load_format": "dummy", "overlap": False}
+    assert engine_settings({"load_format": " dummy ", "overlap": "false",
+                            "mixed_prefill": "true"}) == {
+        "load_format": "dummy", "overlap": False, "mixed_prefill": True}
     repo = tmp_path / "model_repository" / "minisgl"
     assert resolve_model_dir({}, str(repo)) == tmp_path / "models/SmolLM2-135M-Instruct"
     assert resolve_model_dir({"model": "/abs/m"}, str(repo)).as_posix() == "/abs/m"

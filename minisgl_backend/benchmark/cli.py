@@ -42,6 +42,8 @@ def add_llm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graph-max-bs", type=int, default=None,
                        help="decode batches up to this size replay CUDA graphs; 0: off")
     group.add_argument("--no-overlap", action="store_true", help="turn overlap scheduling off")
+    group.add_argument("--mixed-prefill", action="store_true",
+                       help="prefill steps also decode one token of every running request")
 
 
 _LLM_OPTIONS = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",
@@ -56,6 +58,8 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
             kwargs[name] = getattr(args, name)
     if getattr(args, "no_overlap", False):
         kwargs["overlap"] = False
+    if getattr(args, "mixed_prefill", False):
+        kwargs["mixed_prefill"] = True
     kwargs.update(overrides)
     return kwargs
 

@@ -252,11 +252,20 @@ class Engine:
             rows_t = host_to_device(rows, dev)
             starts = msg["starts"].astype(np.int64)
             lens = msg["extend_lens"].astype(np.int64)
-            row_of_token, positions, input_ids = stack_to_device(
-                [np.repeat(rows, lens), _ranges(starts, lens), msg["tokens"]], dev)
-            self.token_pool[row_of_token, positions] = input_ids.to(torch.int32)
-            self.row_len[rows] = starts + lens
-            phase, extend_lens = "prefill", lens.tolist()
+            prefill_rows, decode_rows = rows[: len(starts)], rows[len(starts):]
+            num_prompt = int(lens.sum())
+            row_of_token, positions, tokens = stack_to_device(
+                [np.concatenate([np.repeat(prefill_rows, lens), decode_rows]),
+                 np.concatenate([_ranges(starts, lens), self.row_len[decode_rows]]),
+                 np.concatenate([msg["tokens"], np.zeros(len(decode_rows), np.int64)])], dev)
+            prompt_tokens = tokens[:num_prompt].to(torch.int32)
+            self.token_pool[row_of_token[:num_prompt], positions[:num_prompt]] = prompt_tokens
+            # Decode rows riding along: their input is the token sampled for them last.
+            input_ids = torch.cat([prompt_tokens, self.token_pool[row_of_token[num_prompt:],
+                                                                  positions[num_prompt:]]])
+            self.row_len[prefill_rows] = starts + lens
+            self.row_len[decode_rows] += 1
+            phase, extend_lens = "prefill", lens.tolist() + [1] * len(decode_rows)
         else:
             rows_t, positions = stack_to_device([rows, self.row_len[rows]], dev)
             row_of_token = rows_t

@@ -54,11 +54,16 @@ def _i32(values: list[int]) -> np.ndarray:
 
 @dataclass
 class StepMessage:
-    """One forward step. Arrays are per request in batch order unless noted."""
+    """One forward step. Arrays are per request in batch order unless noted.
+
+    A prefill step may end with decode rows ("mixed" steps): `rows` beyond the first
+    `len(starts)` each compute one token, the one the engine sampled last for that row (taken
+    from its token pool, like a decode step's)."""
 
     is_prefill: bool
     rows: list[int]
-    # Prefill only: first position computed this step and number of tokens computed.
+    # Prefill only, for its prefill rows: first position computed this step and number of
+    # tokens computed.
     starts: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prefill: the prompt tokens computed

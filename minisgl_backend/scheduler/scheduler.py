@@ -1,8 +1,9 @@
 """The scheduler: a thread in the caller's process that drives the engine processes.
 
 Each loop iteration takes new requests and aborts, picks one batch (prefill first, with chunked
-prefill; otherwise every running request decodes one token), allocates its pages, sends the
-engine a compact step message, and turns the sampled tokens into outputs.
+prefill; otherwise every running request decodes one token; with `mixed_prefill`, a prefill
+step also decodes one token of every running request), allocates its pages, sends the engine a
+compact step message, and turns the sampled tokens into outputs.
 
 With overlap on, the tokens handled in an iteration are those of the step sent in the previous
 iteration: step N+1 is built and sent before step N's tokens are read, so the engine computes
@@ -42,6 +43,8 @@ class SchedulerConfig:
     chunked_prefill_size: int = 8192
     cache: str = "radix"  # "radix" or "naive"
     debug_checks: bool = False  # verify page accounting after every step
+    # Prefill steps also decode one token of every running request (instead of pausing them).
+    mixed_prefill: bool = False
     step_timeout: float | None = None  # seconds an engine step may take before it is declared dead
 
 
@@ -298,13 +301,16 @@ class Scheduler:
         for req in admitted:
             req.admitted_step = self.num_steps
         is_prefill = bool(batch)
+        num_prefill = len(batch)
         if not is_prefill:
             batch = self.decode.schedule()
             if not batch:
                 return None  # overlap: every running request may be done; else cannot happen
+        elif self.config.mixed_prefill:
+            batch = batch + self.decode.schedule()  # decode rows ride along, after the prefill
         rows_in_use = self.rows.num_rows - self.rows.num_free
         self.peak_running = max(self.peak_running, rows_in_use)
-        message = self._step_message(batch, admitted, is_prefill)
+        message = self._step_message(batch, admitted, is_prefill, num_prefill)
         self.engine.send(message.to_bytes())
         self.num_steps += 1
         return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch])
@@ -333,16 +339,19 @@ class Scheduler:
             running.append(self.prefill.chunked)
         return running
 
-    def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool) -> StepMessage:
+    def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool,
+                      num_prefill: int) -> StepMessage:
+        """The step's message; in a prefill step the first `num_prefill` requests compute
+        prompt tokens and the others (mixed steps) decode one token."""
         msg = StepMessage(is_prefill=is_prefill, rows=[r.table_idx for r in batch])
-        for req in batch:
+        for i, req in enumerate(batch):
             self.cache.grow(req)
             if len(req.pages) > req.pages_sent:
                 msg.page_rows.append(req.table_idx)
                 msg.page_counts.append(len(req.pages) - req.pages_sent)
                 msg.new_pages.extend(req.pages[req.pages_sent :])
                 req.pages_sent = len(req.pages)
-            if is_prefill:
+            if is_prefill and i < num_prefill:
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
                 msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
