@@ -11,6 +11,10 @@
    size.
 4. The attention prologue (q/k norm for Qwen3, RoPE, KV store) per token count, with 1, 2, 4
    and 8 heads per program.
+5. A decoder layer's four projections at batch sizes up to 16, as the layer runs them (FlashInfer
+   add-RMSNorm / SiLU-and-mul next to cuBLAS) and as one fused Triton GEMV each (norm or
+   SiLU-and-mul folded in front, the residual add behind; `kernels/gemv.py`), with the
+   weights' read bandwidth; `--sweep` times the GEMV's tile variants.
 
     python scripts/bench_kernels.py --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 64 256 \\
         --context-lens 256 1024 2048 --page-sizes 16 64 --sweep
@@ -39,7 +43,8 @@ ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "G
 SILU_HEADER = ("width", "tokens", "kernel", "us/call")
 SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
 PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
-PARTS = ("attention", "silu", "sampling", "prologue")
+GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s", "of copy bw")
+PARTS = ("attention", "silu", "sampling", "prologue", "gemv")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,11 +289,80 @@ def bench_prologue(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
+# ----- decoder-layer projections at small batch ------------------------------------------------
+
+
+def gemv_variants(sweep: bool) -> dict[str, dict[str, int]]:
+    """Name -> fused_gemv tile keyword arguments."""
+    if not sweep:
+        return {"fused Triton": {}}
+    return {f"fused Triton n{n} k{k} s{s}": {"block_n": n, "block_k": k, "num_stages": s}
+            for n, k, s in itertools.product((16, 32), (128, 256, 512), (3, 4))}
+
+
+def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
+               ) -> list[list[str]]:
+    import torch.nn.functional as F
+
+    from kernels.gemv import MAX_ROWS, fused_gemv
+    from minisgl_backend.layers import fast_ops
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[list[str]] = []
+    for shape in args.shapes:
+        config = SHAPES[shape]
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        projections = {  # name -> (N, K, prologue, residual epilogue)
+            "qkv": ((heads + 2 * kv_heads) * head_dim, hidden, "norm", False),
+            "o": (hidden, heads * head_dim, None, True),
+            "gate_up": (2 * inter, hidden, "norm", False),
+            "down": (hidden, inter, "gated", True),
+        }
+        for bs in (b for b in args.batch_sizes if b <= MAX_ROWS):
+            for name, (n, k, prologue, add) in projections.items():
+                weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+                x = torch.randn(bs, 2 * k if prologue == "gated" else k, device=device,
+                                dtype=dtype)
+                residual = torch.randn(bs, n if add else k, device=device, dtype=dtype)
+                norm_w = torch.ones(k, device=device, dtype=dtype)
+                out = torch.empty(bs, n, device=device, dtype=dtype)
+
+                def layer_ops() -> object:
+                    """What the decoder layer runs today around this projection."""
+                    if prologue == "norm":  # add-RMSNorm (in place) in front
+                        y, _ = fast_ops.add_rms_norm(x, residual, norm_w, 1e-5)
+                        return F.linear(y, weight, out=out)
+                    if prologue == "gated":
+                        return F.linear(fast_ops.silu_and_mul(x), weight, out=out)
+                    return F.linear(x, weight, out=out)  # the add waits for the next norm
+
+                paths: dict[str, Callable[[], object]] = {
+                    "cuBLAS GEMV only": lambda: F.linear(x[:, :k], weight, out=out),
+                    "layer ops today": layer_ops}
+                for label, tiles in gemv_variants(args.sweep).items():
+                    paths[label] = lambda t=tiles: fused_gemv(
+                        x, weight, norm_weight=norm_w if prologue == "norm" else None,
+                        eps=1e-5, gated=prologue == "gated", residual=residual if add else None,
+                        out=out, **t)
+                for label, fn in paths.items():
+                    seconds = time_per_call(fn, args.calls, args.replays, device)
+                    rate = n * k * weight.element_size() / seconds
+                    rows.append([shape, name, str(bs), label, f"{seconds * 1e6:.2f}",
+                                 f"{rate / 1e9:,.0f}",
+                                 f"{rate / copy_bw:.1%}" if copy_bw else "-"])
+                    print(" | ".join(rows[-1]), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     copy_bw = measure_copy_bandwidth(device) if device.type == "cuda" \
-        and "attention" in args.parts else 0.0
+        and {"attention", "gemv"} & set(args.parts) else 0.0
     if copy_bw:
         print(f"copy bandwidth: {copy_bw / 1e12:.3f} TB/s")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -305,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     if "prologue" in args.parts:
         tables.append(("Attention prologue (q/k norm for Qwen3, RoPE, KV store)",
                        PROLOGUE_HEADER, bench_prologue(args, device)))
+    if "gemv" in args.parts:
+        tables.append(("Decoder-layer projections at small batch", GEMV_HEADER,
+                       bench_gemv(args, device, copy_bw)))
     for title, header, rows in tables:
         print(f"\n## {title}\n")
         print(markdown_table(header, rows))

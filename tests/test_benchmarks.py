@@ -214,6 +214,13 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
         capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
+    assert header == ["shape", "projection", "batch", "path", "us/call", "weights GB/s",
+                      "of copy bw"]
+    assert [r[1] for r in rows[::14]] == ["qkv", "o", "gate_up", "down"]
+    assert [r[3] for r in rows[:3]] == ["cuBLAS GEMV only", "layer ops today",
+                                        "fused Triton n16 k128 s3"] and len(rows) == 4 * 14
+    assert all(number(r[4]) > 0 for r in rows)
+    header, rows = last_table(run.stdout.split("## Decoder-layer")[0])
     assert header == ["shape", "tokens", "heads per program", "us/call"]
     assert [row[2] for row in rows] == ["1", "2", "4", "8"] and all(number(r[3]) > 0 for r in rows)
     header, rows = last_table(run.stdout.split("## Attention prologue")[0])
