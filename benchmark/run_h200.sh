@@ -8,13 +8,14 @@
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
 # skipped and say so), STEPS (which steps, default all: tests offline decode kernels
-# mechanisms profile triton tp). flashinfer must be importable; the `triton` step needs tritonserver and
-# perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
+# mechanisms profile triton mixed tp). flashinfer must be importable; the `triton` step (and
+# `mixed`'s server run) needs tritonserver and perf_analyzer on PATH (TRITON_BACKEND_DIR for a
+# wheel install); `tp` needs two GPUs.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode kernels mechanisms profile triton tp}
+STEPS=${STEPS:-tests offline decode kernels mechanisms profile triton mixed tp}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -36,7 +37,8 @@ WARM=$!
 if wants tests; then
   CUDA_VISIBLE_DEVICES=0 step 600 tests-triton python3 -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_qkv_prologue.py tests/test_fused_moe.py \
-    tests/test_activation.py tests/test_sampling_kernel.py tests/test_gpu_engine.py \
+    tests/test_activation.py tests/test_sampling_kernel.py tests/test_gemv.py \
+    tests/test_gpu_engine.py \
     -k "not flashinfer and not tensor_parallel"
 fi
 wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
@@ -56,7 +58,21 @@ if wants decode; then
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
 fi
 wants kernels && TAIL=40 step 300 kernels python3 scripts/bench_kernels.py \
-  --batch-sizes 1 8 64 256 --context-lens 256 1024 2048 --page-sizes 16 64
+  --batch-sizes 1 8 64 256 --context-lens 256 1024 2048 --page-sizes 16 64 \
+  --parts attention silu sampling prologue
+# The fused few-rows GEMV's tiles against the layer's ops today (decides its wiring).
+wants kernels && TAIL=60 step 300 kernels-gemv python3 scripts/bench_kernels.py --parts gemv \
+  --sweep --shapes llama-3.1-8b --batch-sizes 1 4 16
+if wants mixed; then  # mixed prefill steps against the default, offline and at concurrency 64
+  for shape in qwen3-0.6b llama-3.1-8b; do
+    MINISGL_STEP_TIMES_DIR="$OUT/steps" TAIL=1 step 180 "offline-$shape-mixed" \
+      python3 scripts/bench_offline.py --shape "$shape" --page-size 64 --mixed-prefill
+  done
+  if command -v tritonserver > /dev/null && command -v perf_analyzer > /dev/null; then
+    TAIL=8 step 300 triton-qwen3-0.6b-mixed python3 scripts/bench_triton_offline.py \
+      --shape qwen3-0.6b --page-size 64 --concurrency 64 --mixed-prefill
+  fi
+fi
 wants mechanisms && TAIL=9 step 300 mechanisms-qwen3-0.6b python3 scripts/bench_mechanisms.py \
   --shape qwen3-0.6b --page-size 16
 wants profile && TAIL=40 step 180 profile-llama-3.1-8b python3 scripts/profile_decode_step.py \
