@@ -100,6 +100,17 @@ def time_per_call(fn: Callable[[], object], calls: int, replays: int, device: to
     return begin.elapsed_time(end) / 1e3 / (replays * calls)
 
 
+def time_each(fns: dict[str, Callable[[], object]], args: argparse.Namespace,
+              device: torch.device, row: Callable[[str, float], list[str]]) -> list[list[str]]:
+    """`time_per_call` of each function; one table row per function, `row(name, seconds)`,
+    printed as it comes."""
+    rows = []
+    for name, fn in fns.items():
+        rows.append(row(name, time_per_call(fn, args.calls, args.replays, device)))
+        print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
 # ----- decode attention -------------------------------------------------------------------------
 
 
@@ -214,10 +225,8 @@ def bench_silu(args: argparse.Namespace, device: torch.device) -> list[list[str]
             "triton": lambda: triton_silu_and_mul(x, out=out)}
         if flashinfer is not None:
             kernels["flashinfer"] = lambda: flashinfer.activation.silu_and_mul(x, out=out)
-        for name, fn in kernels.items():
-            seconds = time_per_call(fn, args.calls, args.replays, device)
-            rows.append([str(width), str(tokens), name, f"{seconds * 1e6:.2f}"])
-            print(" | ".join(rows[-1]), flush=True)
+        rows += time_each(kernels, args, device, lambda name, seconds: [
+            str(width), str(tokens), name, f"{seconds * 1e6:.2f}"])
     return rows
 
 
@@ -229,9 +238,9 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
     from minisgl_backend.engine.sampler import make_sampling_tensors, sample_with_torch
 
     vocabs = sorted({SHAPES[s]["vocab_size"] for s in args.shapes})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows: list[list[str]] = []
     for vocab, bs in itertools.product(vocabs, args.batch_sizes):
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         logits = (torch.randn(bs, vocab, device=device) * 4).to(dtype)
         params = make_sampling_tensors([0.6] * bs, [-1] * bs, [1.0] * bs, list(range(bs)),
                                        [1] * bs, device)
@@ -244,10 +253,8 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
                                                uniform, **({"chunk": c} if c else {})))
             for c in chunks}
         samplers["torch"] = lambda: sample_with_torch(logits.float(), params, uniform)
-        for name, fn in samplers.items():
-            seconds = time_per_call(fn, args.calls, args.replays, device)
-            rows.append([str(vocab), str(bs), name, f"{seconds * 1e6:.1f}"])
-            print(" | ".join(rows[-1]), flush=True)
+        rows += time_each(samplers, args, device, lambda name, seconds: [
+            str(vocab), str(bs), name, f"{seconds * 1e6:.1f}"])
     return rows
 
 
@@ -277,15 +284,13 @@ def bench_prologue(args: argparse.Namespace, device: torch.device) -> list[list[
         norm = torch.ones(head_dim, device=device, dtype=dtype) \
             if config["model_type"].startswith("qwen3") else None
         out = torch.empty_like(q)
-        for per_program in (1, 2, 4, 8):
-            def call(n: int = per_program) -> object:
-                return fused_qk_norm_rope_store(
-                    q, k, v, positions, cache, slots, pool.k_cache(0), pool.v_cache(0),
-                    q_norm_weight=norm, k_norm_weight=norm, out=out, heads_per_program=n)
-
-            seconds = time_per_call(call, args.calls, args.replays, device)
-            rows.append([shape, str(tokens), str(per_program), f"{seconds * 1e6:.2f}"])
-            print(" | ".join(rows[-1]), flush=True)
+        calls: dict[str, Callable[[], object]] = {
+            str(n): lambda n=n: fused_qk_norm_rope_store(
+                q, k, v, positions, cache, slots, pool.k_cache(0), pool.v_cache(0),
+                q_norm_weight=norm, k_norm_weight=norm, out=out, heads_per_program=n)
+            for n in (1, 2, 4, 8)}
+        rows += time_each(calls, args, device, lambda name, seconds: [
+            shape, str(tokens), name, f"{seconds * 1e6:.2f}"])
     return rows
 
 
@@ -346,13 +351,14 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
                         x, weight, norm_weight=norm_w if prologue == "norm" else None,
                         eps=1e-5, gated=prologue == "gated", residual=residual if add else None,
                         out=out, **t)
-                for label, fn in paths.items():
-                    seconds = time_per_call(fn, args.calls, args.replays, device)
-                    rate = n * k * weight.element_size() / seconds
-                    rows.append([shape, name, str(bs), label, f"{seconds * 1e6:.2f}",
-                                 f"{rate / 1e9:,.0f}",
-                                 f"{rate / copy_bw:.1%}" if copy_bw else "-"])
-                    print(" | ".join(rows[-1]), flush=True)
+                weight_bytes = n * k * weight.element_size()
+
+                def row(label: str, seconds: float) -> list[str]:
+                    rate = weight_bytes / seconds
+                    return [shape, name, str(bs), label, f"{seconds * 1e6:.2f}",
+                            f"{rate / 1e9:,.0f}", f"{rate / copy_bw:.1%}" if copy_bw else "-"]
+
+                rows += time_each(paths, args, device, row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows

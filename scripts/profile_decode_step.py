@@ -57,11 +57,19 @@ def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_
     return decode(prefill.to_bytes())[1], decodes
 
 
-def profile(engine: Engine, bs: int, args: argparse.Namespace) -> list[str]:
+def start_requests(engine: Engine, bs: int, steps: int, args: argparse.Namespace
+                   ) -> tuple[dict, list[dict]]:
+    """Clear the engine's page mappings, prefill `bs` fresh requests (waited for) and return
+    that prefill's message and the `steps` decode messages that follow it."""
     engine.page_table.fill_(engine.kv_pool.dummy_page)
     engine.row_pages[:] = 0
-    prefill, decodes = step_messages(engine, bs, args.steps, args.prompt_len, args.temperature)
+    prefill, decodes = step_messages(engine, bs, steps, args.prompt_len, args.temperature)
     engine.launch(prefill).wait()
+    return prefill, decodes
+
+
+def profile(engine: Engine, bs: int, args: argparse.Namespace) -> list[str]:
+    _, decodes = start_requests(engine, bs, args.steps, args)
     warm, timed = decodes[:10], decodes[10:]
     for msg in warm:
         engine.launch(msg).wait()
@@ -114,10 +122,7 @@ def print_prefill_trace(engine: Engine, args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    engine.page_table.fill_(engine.kv_pool.dummy_page)
-    engine.row_pages[:] = 0
-    prefill, _ = step_messages(engine, 1, 1, args.prompt_len, args.temperature)
-    engine.launch(prefill).wait()  # warm
+    prefill, _ = start_requests(engine, 1, 1, args)  # its first run warms up
     timings = []
     for _ in range(5):
         start = time.perf_counter()
@@ -132,10 +137,7 @@ def print_prefill_trace(engine: Engine, args: argparse.Namespace) -> None:
 
 
 def print_trace(engine: Engine, bs: int, args: argparse.Namespace) -> None:
-    engine.page_table.fill_(engine.kv_pool.dummy_page)
-    engine.row_pages[:] = 0
-    prefill, decodes = step_messages(engine, bs, 30, args.prompt_len, args.temperature)
-    engine.launch(prefill).wait()
+    _, decodes = start_requests(engine, bs, 30, args)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
