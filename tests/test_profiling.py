@@ -73,8 +73,8 @@ def test_step_timeline_resolves_steps_in_order() -> None:
         timeline.end(phase, bs)
     timeline.summary()
     assert timeline.phases["prefill"].busy == pytest.approx(0.001)
-    assert timeline.phases["prefill"].idle == pytest.approx(0.001)  # launch -> forward
+    assert timeline.phases["prefill"].waits == pytest.approx(0.001)  # launch -> forward
     assert timeline.phases["decode"].busy == pytest.approx(0.0005 + 0.0008)
     # 0.002 -> 0.003 between steps, then 0.0005 and 0.0002 before the forwards
-    assert timeline.phases["decode"].idle == pytest.approx(0.001 + 0.0005 + 0.0002)
+    assert timeline.phases["decode"].waits == pytest.approx(0.001 + 0.0005 + 0.0002)
     assert timeline.waits_for_work == 1  # 0.004 -> 0.5

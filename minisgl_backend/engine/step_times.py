@@ -36,7 +36,7 @@ BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
 class _Totals:
     steps: int = 0
     busy: float = 0.0  # forward start -> step end
-    idle: float = 0.0  # previous step end -> forward start, gaps up to WAIT_FOR_WORK_S
+    waits: float = 0.0  # previous step end -> forward start, gaps up to WAIT_FOR_WORK_S
     launch: float = 0.0  # host: applying the message and launching the step
     wait: float = 0.0  # host: waiting for this step's message (up to WAIT_FOR_WORK_S)
 
@@ -54,7 +54,8 @@ class _Pending:
 
 @dataclass
 class StepTimeline:
-    """Records steps with `begin()` / `end(phase, batch_size)`; `summary()` is the report."""
+    """Records steps with `begin()`, `forward()` and `end(phase, batch_size)`; `summary()` is
+    the report."""
 
     device: torch.device
     phases: dict[str, _Totals] = field(default_factory=lambda: defaultdict(_Totals))
@@ -126,7 +127,7 @@ class StepTimeline:
             for t in totals:
                 t.steps += 1
                 t.busy += busy
-                t.idle += gap
+                t.waits += gap
                 t.launch += step.launch
                 t.wait += step.wait
 
@@ -134,25 +135,21 @@ class StepTimeline:
         self._resolve(wait=True)
         steps = sum(t.steps for t in self.phases.values())
         busy = sum(t.busy for t in self.phases.values())
-        idle = sum(t.idle for t in self.phases.values())
+        waits = sum(t.waits for t in self.phases.values())
         lines = [title] if title else []
         lines += [
-            f"steps: {steps}, device busy {busy:.3f} s, waiting for the host {idle:.3f} s "
-            f"({idle / max(busy + idle, 1e-12):.1%}; largest gap {self.largest_gap * 1e3:.2f} ms;"
-            f" {self.waits_for_work} waits for work over {WAIT_FOR_WORK_S} s not counted)",
+            f"steps: {steps}, device busy {busy:.3f} s, waiting for the host {waits:.3f} s "
+            f"({waits / max(busy + waits, 1e-12):.1%}; largest gap "
+            f"{self.largest_gap * 1e3:.2f} ms; {self.waits_for_work} waits for work over "
+            f"{WAIT_FOR_WORK_S} s not counted)",
             "",
             "device: busy in the step / waiting for the host before it; host: the engine "
             "launching the step / waiting for its message",
             "",
-            "| phase | steps | busy s | waits s | busy ms/step | waits ms/step | launch ms/step | "
-            "wait ms/step |",
-            "|---|---|---|---|---|---|---|---|",
+            *_table("phase", sorted(self.phases.items())),
+            "",
+            *_table("decode batch up to", sorted(self.decode_buckets.items())),
         ]
-        lines += [_row(name, t) for name, t in sorted(self.phases.items())]
-        lines += ["", "| decode batch up to | steps | busy s | waits s | busy ms/step | "
-                      "waits ms/step | launch ms/step | wait ms/step |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [_row(str(b), t) for b, t in sorted(self.decode_buckets.items())]
         return "\n".join(lines) + "\n"
 
     def write(self, name: str, title: str) -> Path:
@@ -164,7 +161,12 @@ class StepTimeline:
         return path
 
 
-def _row(name: str, t: _Totals) -> str:
-    n = max(t.steps, 1)
-    return (f"| {name} | {t.steps} | {t.busy:.3f} | {t.idle:.3f} | {t.busy / n * 1e3:.3f} | "
-            f"{t.idle / n * 1e3:.3f} | {t.launch / n * 1e3:.3f} | {t.wait / n * 1e3:.3f} |")
+def _table(first_column: str, totals: list[tuple[object, _Totals]]) -> list[str]:
+    lines = [f"| {first_column} | steps | busy s | waits s | busy ms/step | waits ms/step | "
+             "launch ms/step | wait ms/step |", "|---|---|---|---|---|---|---|---|"]
+    for name, t in totals:
+        n = max(t.steps, 1)
+        lines.append(f"| {name} | {t.steps} | {t.busy:.3f} | {t.waits:.3f} | "
+                     f"{t.busy / n * 1e3:.3f} | {t.waits / n * 1e3:.3f} | "
+                     f"{t.launch / n * 1e3:.3f} | {t.wait / n * 1e3:.3f} |")
+    return lines
