@@ -14,8 +14,10 @@ and adds, optionally, `residual` to the result (the residual connection after o_
 down_proj). Rounding follows HF transformers' torch ops: the normalized row is rounded to the
 dtype before the weight multiply, SiLU's result before the product with `up`, the product
 before the GEMV, the GEMV's result before the residual add. Programs split N into blocks of
-`block_n` rows of the weight and loop over K; the few rows of x are padded to 16 for
-`tl.dot` (the GEMV is bound by weight reads, so the unused MMA lanes cost nothing).
+`block_n` rows of the weight and loop over K. Two ways to multiply: `tl.dot` with the few rows
+of x padded to 16 (the GEMV is bound by weight reads, so unused MMA lanes cost nothing), or
+(`use_dot=False`, for one or two rows) a broadcast multiply and row sum on the CUDA cores, with
+the rows padded only to a power of two.
 """
 
 from __future__ import annotations
@@ -31,23 +33,24 @@ MAX_ROWS = 16
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
                  stride_xm, stride_wn, stride_om, stride_rm,
                  NORM: tl.constexpr, GATED: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                 ROWS: tl.constexpr, USE_DOT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    m = tl.arange(0, 16)
+    m = tl.arange(0, ROWS)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = m < M
     n_mask = n < N
     dtype = w_ptr.dtype.element_ty
     x_rows = x_ptr + m[:, None] * stride_xm
     if NORM:
-        sum_sq = tl.zeros([16], tl.float32)
+        sum_sq = tl.zeros([ROWS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                          other=0.0).to(tl.float32)
             sum_sq += tl.sum(xv * xv, 1)
         inv_rms = tl.rsqrt(sum_sq / K + eps)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
@@ -67,7 +70,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
                 xv = xv.to(dtype)
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(xv, tl.trans(w), acc)
+        if USE_DOT:
+            acc = tl.dot(xv, tl.trans(w), acc)
+        else:
+            acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     y = acc.to(dtype)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if ADD_RESIDUAL:
@@ -79,12 +85,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
 def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
-               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               num_warps: int = 4, num_stages: int = 3, use_dot: bool = True) -> torch.Tensor:
     """`x' @ weight.T (+ residual)` for x [M, K] (gated: [M, 2K]) with M <= 16 -> [M, N].
 
     weight [N, K] (an nn.Linear weight) with a unit last stride; norm_weight [K]: x' =
     rms_norm(x) * norm_weight; gated: x' = silu(x[:, :K]) * x[:, K:]; residual [M, N] is added
-    to the product. Never both norm and gated. Outputs are in weight's dtype.
+    to the product. Never both norm and gated. Outputs are in weight's dtype. `use_dot=False`
+    multiplies on the CUDA cores (meant for one or two rows: its registers grow with the rows).
     """
     rows, width = x.shape
     n, k = weight.shape
@@ -108,5 +115,6 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tens
         x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0),
         NORM=norm_weight is not None, GATED=gated, ADD_RESIDUAL=residual is not None,
+        ROWS=MAX_ROWS if use_dot else triton.next_power_of_2(rows), USE_DOT=use_dot,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -45,6 +45,7 @@ SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
 PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
 GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s", "of copy bw")
 PARTS = ("attention", "silu", "sampling", "prologue", "gemv")
+L2_DEFEAT_BYTES = 200 * 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -297,12 +298,18 @@ def bench_prologue(args: argparse.Namespace, device: torch.device) -> list[list[
 # ----- decoder-layer projections at small batch ------------------------------------------------
 
 
-def gemv_variants(sweep: bool) -> dict[str, dict[str, int]]:
-    """Name -> fused_gemv tile keyword arguments."""
+def gemv_variants(sweep: bool, rows: int) -> dict[str, dict[str, int]]:
+    """Name -> fused_gemv keyword arguments (tiles, and for one or two rows the CUDA-core
+    multiply)."""
     if not sweep:
         return {"fused Triton": {}}
-    return {f"fused Triton n{n} k{k} s{s}": {"block_n": n, "block_k": k, "num_stages": s}
-            for n, k, s in itertools.product((16, 32), (128, 256, 512), (3, 4))}
+    variants = {f"fused Triton n{n} k{k} s{s}": {"block_n": n, "block_k": k, "num_stages": s}
+                for n, k, s in itertools.product((16, 32), (128, 256, 512), (3, 4))}
+    if rows <= 2:
+        variants |= {f"fused Triton fma n{n} k{k} w{w}": {
+            "block_n": n, "block_k": k, "num_warps": w, "num_stages": 3, "use_dot": False}
+            for n, k, w in itertools.product((8, 16, 32), (128, 256), (4, 8))}
+    return variants
 
 
 def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
@@ -327,7 +334,11 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
         }
         for bs in (b for b in args.batch_sizes if b <= MAX_ROWS):
             for name, (n, k, prologue, add) in projections.items():
-                weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+                # Successive calls read different copies of the weight (>= 4x the H200's 50 MB
+                # L2 in all), as the layers of a model do: one copy would be served from L2.
+                copies = -(-L2_DEFEAT_BYTES // (n * k * 2)) if device.type == "cuda" else 1
+                weights = itertools.cycle([torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+                                           for _ in range(copies)])
                 x = torch.randn(bs, 2 * k if prologue == "gated" else k, device=device,
                                 dtype=dtype)
                 residual = torch.randn(bs, n if add else k, device=device, dtype=dtype)
@@ -338,20 +349,20 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
                     """What the decoder layer runs today around this projection."""
                     if prologue == "norm":  # add-RMSNorm (in place) in front
                         y, _ = fast_ops.add_rms_norm(x, residual, norm_w, 1e-5)
-                        return F.linear(y, weight, out=out)
+                        return F.linear(y, next(weights), out=out)
                     if prologue == "gated":
-                        return F.linear(fast_ops.silu_and_mul(x), weight, out=out)
-                    return F.linear(x, weight, out=out)  # the add waits for the next norm
+                        return F.linear(fast_ops.silu_and_mul(x), next(weights), out=out)
+                    return F.linear(x, next(weights), out=out)  # the add waits for the next norm
 
                 paths: dict[str, Callable[[], object]] = {
-                    "cuBLAS GEMV only": lambda: F.linear(x[:, :k], weight, out=out),
+                    "cuBLAS GEMV only": lambda: F.linear(x[:, :k], next(weights), out=out),
                     "layer ops today": layer_ops}
-                for label, tiles in gemv_variants(args.sweep).items():
+                for label, tiles in gemv_variants(args.sweep, bs).items():
                     paths[label] = lambda t=tiles: fused_gemv(
-                        x, weight, norm_weight=norm_w if prologue == "norm" else None,
+                        x, next(weights), norm_weight=norm_w if prologue == "norm" else None,
                         eps=1e-5, gated=prologue == "gated", residual=residual if add else None,
                         out=out, **t)
-                weight_bytes = n * k * weight.element_size()
+                weight_bytes = n * k * torch.finfo(dtype).bits // 8
 
                 def row(label: str, seconds: float) -> list[str]:
                     rate = weight_bytes / seconds

@@ -50,9 +50,11 @@ def _reference(variant: str, x: torch.Tensor, weight: torch.Tensor, norm_w: torc
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int) -> None:
-    """N and K that are not multiples of the blocks; a strided x."""
+@pytest.mark.parametrize("rows,use_dot", [(1, True), (3, True), (16, True), (1, False),
+                                          (3, False)])
+def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int,
+                       use_dot: bool) -> None:
+    """N and K that are not multiples of the blocks; a strided x; both ways to multiply."""
     device, dtype = target
     n, k = (40, 96) if device == "cpu" else (1000, 1500)
     gen = torch.Generator().manual_seed(rows)
@@ -65,7 +67,7 @@ def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int)
     out = fused_gemv(
         x, weight, norm_weight=norm_w if variant.startswith("norm") else None, eps=EPS,
         gated=variant == "gated", residual=residual if variant.endswith("residual") else None,
-        block_n=16, block_k=32 if device == "cpu" else 256)
+        block_n=16, block_k=32 if device == "cpu" else 256, use_dot=use_dot)
     assert out.shape == (rows, n) and out.dtype == dtype
     expected = _reference(variant, x, weight, norm_w, residual)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
