@@ -33,7 +33,7 @@ MAX_ROWS = 16
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
                  stride_xm, stride_wn, stride_om, stride_rm,
                  NORM: tl.constexpr, GATED: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, USE_DOT: tl.constexpr,
+                 ROWS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.arange(0, ROWS)
@@ -71,7 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if USE_DOT:
-            acc = tl.dot(xv, tl.trans(w), acc)
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision=DOT_PRECISION)
         else:
             acc += tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     y = acc.to(dtype)
@@ -116,5 +116,6 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tens
         0 if residual is None else residual.stride(0),
         NORM=norm_weight is not None, GATED=gated, ADD_RESIDUAL=residual is not None,
         ROWS=MAX_ROWS if use_dot else triton.next_power_of_2(rows), USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -183,6 +183,9 @@ class Context:
     page_size: int
     kv_pool: PagedKVPool
     attn_backend: AttentionBackend
+    # Decode batches of at most this many rows run each layer's projections as fused few-rows
+    # GEMVs (kernels/gemv.py); 0: never. The engine sets it where the kernel applies.
+    fused_gemv_max_rows: int = 0
     _batch: Batch | None = None
 
     @property

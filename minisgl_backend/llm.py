@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from minisgl_backend.core import SamplingParams
-from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.tokenizer import encode_prompt
 
@@ -48,6 +48,9 @@ class LLM:
             for benchmarks of real shapes without weights on disk).
         cuda_graph_max_bs: GPU: decode batches up to this size replay CUDA graphs; 0: off.
         overlap: GPU: the engine prepares and launches step N+1 while step N runs.
+        fused_gemv_max_bs: GPU, tp_size 1: decode batches up to this size (at most 16) run each
+            layer's projections as few-rows GEMV kernels with the norms, SiLU-and-mul and
+            residual adds folded in; 0: off.
         mixed_prefill: a prefill step also decodes one token of every running request, so
             that arriving requests do not pause the running ones for a step.
         debug_checks: verify page accounting after every step (slow; for tests).
@@ -70,6 +73,7 @@ class LLM:
         load_format: str = "auto",
         cuda_graph_max_bs: int = 256,
         overlap: bool = True,
+        fused_gemv_max_bs: int = 0,
         mixed_prefill: bool = False,
         debug_checks: bool = False,
     ) -> None:
@@ -79,6 +83,10 @@ class LLM:
         if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
             raise ValueError(
                 f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
+        if not isinstance(fused_gemv_max_bs, int) \
+                or not 0 <= fused_gemv_max_bs <= FUSED_GEMV_MAX_BS:
+            raise ValueError(f"fused_gemv_max_bs must be an integer in [0, {FUSED_GEMV_MAX_BS}], "
+                             f"got {fused_gemv_max_bs!r}")
         model_dir = Path(model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model: {str(model)!r} is not a HF model folder (no config.json)")
@@ -93,6 +101,7 @@ class LLM:
             device=device, dtype=dtype, attention_backend=attention_backend,
             kv_memory_fraction=kv_memory_fraction, load_format=load_format,
             cuda_graph_max_bs=cuda_graph_max_bs, overlap=bool(overlap),
+            fused_gemv_max_bs=fused_gemv_max_bs,
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks,

@@ -2,7 +2,8 @@
 epilogue) against the torch ops it replaces.
 
 Without CUDA the kernel runs in Triton's interpreter on CPU tensors in fp32 (the interpreter's
-half-precision `tl.dot` is not usable); with CUDA it runs compiled in bf16 and fp16.
+half-precision `tl.dot` is not usable); with CUDA it runs compiled in bf16, fp16 and fp32 (the
+last with full-precision `tl.dot`, as the float32 engine uses it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ TARGETS = [
         not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
     *(pytest.param(("cuda", dtype), id=f"cuda-{name}", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not CUDA, reason="needs CUDA")]) for name, dtype in (("bf16", torch.bfloat16),
-                                                              ("fp16", torch.float16))),
+                                                              ("fp16", torch.float16),
+                                                              ("fp32", torch.float32))),
 ]
 VARIANTS = ["plain", "norm", "gated", "residual", "norm+residual"]
 
@@ -74,6 +76,13 @@ def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int,
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def test_engine_setting_limit_is_the_kernels() -> None:
+    from kernels.gemv import MAX_ROWS
+    from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS
+
+    assert FUSED_GEMV_MAX_BS == MAX_ROWS
+
+
 def test_rejects_what_it_cannot_do() -> None:
     weight = torch.zeros(32, 16)
     with pytest.raises(AssertionError, match="1 to 16 rows"):
@@ -82,3 +91,59 @@ def test_rejects_what_it_cannot_do() -> None:
         fused_gemv(torch.zeros(2, 16), weight, gated=True)
     with pytest.raises(AssertionError, match="do not combine"):
         fused_gemv(torch.zeros(2, 32), weight, gated=True, norm_weight=torch.ones(16))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU run needs the kernels' interpreter")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_decoder_layers_with_fused_gemvs_match_their_usual_path(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:  # noqa: ANN001
+    """The decoder's few-rows path (four fused GEMVs per layer, the residual stream carried
+    whole) gives the usual path's hidden states: float32 on CPU, the kernel interpreted;
+    Qwen3-MoE's MoE layers keep their usual path between fused ones."""
+    from types import SimpleNamespace
+
+    import kernels.gemv
+    from minisgl_backend.core import Context, set_global_ctx
+    from minisgl_backend.models import ModelConfig, create_model
+    from minisgl_backend.testing.tiny_models import build_tiny_model
+
+    extra = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}  # dense between MoE
+    folder = build_tiny_model(arch, tmp_path / arch, num_hidden_layers=3, **extra)
+    config = ModelConfig.from_folder(folder)
+    model = create_model(folder, config, torch.device("cpu"), torch.float32)
+
+    class MixingAttention:
+        """Stands in for paged attention: any fixed function of q, k and v."""
+
+        def forward(self, q, k, v, layer_id, batch):  # noqa: ANN001, ANN201
+            heads = q.shape[1] // k.shape[1]
+            return (q + 0.5 * k.repeat_interleave(heads, 1) * v.repeat_interleave(heads, 1)
+                    ).flatten(1)
+
+    rows = 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, config.hidden_size, generator=gen)
+    positions = torch.tensor([5, 17, 40])
+
+    def run_layers(max_rows: int) -> torch.Tensor:
+        ctx = Context(16, None, MixingAttention(), fused_gemv_max_rows=max_rows)
+        set_global_ctx(ctx)
+        try:
+            with ctx.forward_batch(SimpleNamespace(is_decode=True)), torch.no_grad():
+                h, residual = x.clone(), None
+                for layer in model.model.layers:
+                    h, residual = layer(h, residual, positions, model.rope)
+            return h if residual is None else h + residual
+        finally:
+            set_global_ctx(None)
+
+    calls = []
+    monkeypatch.setattr(kernels.gemv, "fused_gemv",
+                        lambda *a, **kw: calls.append(1) or fused_gemv(*a, **kw))
+    usual = run_layers(0)
+    assert not calls
+    fused = run_layers(16)
+    assert len(calls) == 4 * sum(not config.is_moe_layer(i) for i in range(3))
+    assert len(calls) == (4 if arch == "qwen3_moe" else 12)
+    torch.testing.assert_close(fused, usual, rtol=1e-4, atol=1e-4)
+    assert run_layers(rows - 1).equal(usual)  # more rows than the setting: the usual path

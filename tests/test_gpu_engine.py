@@ -127,6 +127,30 @@ def test_float32_seeded_sampling_is_reproducible(gpu_models: dict[str, Path]) ->
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(("arch", "graph_max_bs", "overlap"),
+                         [("llama", 16, True), ("qwen3", 0, False), ("qwen3", 4, True)])
+def test_float32_fused_gemvs_equal_hf(gpu_models: dict[str, Path], arch: str, graph_max_bs: int,
+                                      overlap: bool) -> None:
+    """Decode batches of up to 8 rows run the fused few-rows GEMVs (full-precision dot in
+    float32): eagerly, in CUDA graphs with overlap, and both in one run (graphs up to 4)."""
+    prompts = mixed_prompts(8)
+    tokens = generate(gpu_models[arch], prompts, dtype="float32", attention_backend="triton",
+                      cuda_graph_max_bs=graph_max_bs, overlap=overlap, fused_gemv_max_bs=8)
+    assert tokens == hf_greedy(gpu_models[arch], prompts, MAX_TOKENS)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_bfloat16_fused_gemvs_agree_with_torch_reference(gpu_models: dict[str, Path]) -> None:
+    prompts = mixed_prompts(8)
+    reference = generate(gpu_models["llama"], prompts, dtype="bfloat16",
+                         attention_backend="torch", cuda_graph_max_bs=0, overlap=False)
+    fast = generate(gpu_models["llama"], prompts, dtype="bfloat16", attention_backend="auto",
+                    fused_gemv_max_bs=16)
+    assert [t[0] for t in fast] == [t[0] for t in reference]
+    assert sum(f == r for f, r in zip(fast, reference)) >= 6, (fast, reference)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_float32_mixed_prefill_equals_hf(gpu_models: dict[str, Path]) -> None:
     """Prefill steps with decode rows riding along (requests admitted while others decode),
     graphs and overlap on."""

@@ -121,7 +121,8 @@ def test_unknown_architecture_names_it(tmp_path: Path, tiny_models: dict[str, Pa
 
 @pytest.mark.parametrize(("setting", "value"), [
     ("tp_size", 0), ("page_size", 0), ("cache", "lru"), ("device", "tpu"),
-    ("max_running_requests", 0), ("max_total_tokens", 0),
+    ("max_running_requests", 0), ("max_total_tokens", 0), ("cuda_graph_max_bs", -1),
+    ("fused_gemv_max_bs", 17), ("fused_gemv_max_bs", -1), ("fused_gemv_max_bs", 2.0),
 ])
 def test_invalid_engine_settings_name_the_setting(tiny_models: dict[str, Path], setting: str,
                                                   value: object) -> None:

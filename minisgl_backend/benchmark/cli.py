@@ -42,12 +42,15 @@ def add_llm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graph-max-bs", type=int, default=None,
                        help="decode batches up to this size replay CUDA graphs; 0: off")
     group.add_argument("--no-overlap", action="store_true", help="turn overlap scheduling off")
+    group.add_argument("--fused-gemv-max-bs", type=int, default=None,
+                       help="decode batches up to this size run fused few-rows GEMVs; 0: off")
     group.add_argument("--mixed-prefill", action="store_true",
                        help="prefill steps also decode one token of every running request")
 
 
 _LLM_OPTIONS = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",
-                "max_total_tokens", "attention_backend", "cuda_graph_max_bs")
+                "max_total_tokens", "attention_backend", "cuda_graph_max_bs",
+                "fused_gemv_max_bs")
 
 
 def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:

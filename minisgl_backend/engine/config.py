@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+FUSED_GEMV_MAX_BS = 16  # rows the few-rows GEMV kernel takes (kernels/gemv.py MAX_ROWS)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,6 +25,8 @@ class EngineConfig:
     # Decode batches up to this size replay CUDA graphs (GPU only); 0 turns graphs off.
     cuda_graph_max_bs: int = 256
     overlap: bool = True  # GPU: prepare and launch step N+1 while step N runs
+    # GPU, tp_size 1: decode batches up to this size run fused few-rows GEMVs; 0: off.
+    fused_gemv_max_bs: int = 0
 
     @property
     def device_type(self) -> str:

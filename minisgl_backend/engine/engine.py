@@ -96,7 +96,10 @@ class Engine:
                 and flashinfer_module() is None:
             logger.warning("flashinfer is not importable here: norms, activations and prefill "
                            "attention fall back to slower kernels (sys.path: %s)", sys.path)
-        self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend)
+        fused_gemvs = (self.device.type == "cuda" and config.tp_size == 1
+                       and importlib.util.find_spec("triton") is not None)
+        self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend,
+                           fused_gemv_max_rows=config.fused_gemv_max_bs if fused_gemvs else 0)
         set_global_ctx(self.ctx)
         self.timeline = StepTimeline.from_env(self.device)  # MINISGL_STEP_TIMES_DIR
         self.graph_runner: CudaGraphRunner | None = None

@@ -42,7 +42,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 rope: RotaryEmbedding) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x)
+        return self.o_proj(self.attend(*self.qkv_proj(x), positions, rope))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               rope: RotaryEmbedding) -> torch.Tensor:
+        """Attention of the projected q, k, v [tokens, heads * head_dim] (q/k norms, RoPE, the
+        K/V store into the pool included); returns the output before o_proj."""
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         v = v.view(v.shape[0], -1, self.head_dim)
@@ -56,8 +61,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.apply(positions, q, k)
-        o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
-        return self.o_proj(o)
+        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
 
     def _fused_prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, rope: RotaryEmbedding, ctx: Context
@@ -103,11 +107,44 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
         rope: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(x, residual)` in and out: the layer's input is their sum (`residual=None`: x)."""
+        if self._takes_fused_gemvs(x):
+            return self._forward_fused_gemvs(x, residual, positions, rope)
         x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.self_attn(x, positions, rope)
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
+
+    def _takes_fused_gemvs(self, x: torch.Tensor) -> bool:
+        """A decode batch of few rows, on an engine that turned the GEMVs on (GPU, no tensor
+        parallelism); MoE layers and q/k/v biases keep the layer's usual path."""
+        ctx = get_global_ctx()
+        return (0 < x.shape[0] <= ctx.fused_gemv_max_rows and ctx.batch.is_decode
+                and isinstance(self.mlp, GatedMLP) and self.self_attn.qkv_proj.bias is None)
+
+    def _forward_fused_gemvs(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, None]:
+        """The same layer for a few rows in four GEMV kernels: each norm is folded into the
+        projection after it, SiLU-and-mul into down_proj, each residual add into the projection
+        before it. The residual stream travels whole in x (tensor parallelism off: with it the
+        adds would have to wait for the all-reduce)."""
+        from kernels.gemv import fused_gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        h = x if residual is None else x + residual
+        qkv = fused_gemv(h, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight,
+                         eps=self.input_layernorm.eps)
+        q, k, v = qkv.split([attn.qkv_proj.q_size, attn.qkv_proj.kv_size,
+                             attn.qkv_proj.kv_size], dim=-1)
+        o = attn.attend(q, k, v, positions, rope)
+        h = fused_gemv(o, attn.o_proj.weight, residual=h)
+        gate_up = fused_gemv(h, mlp.gate_up_proj.weight,
+                             norm_weight=self.post_attention_layernorm.weight,
+                             eps=self.post_attention_layernorm.eps)
+        return fused_gemv(gate_up, mlp.down_proj.weight, gated=True, residual=h), None
 
 
 class DecoderModel(nn.Module):
@@ -143,6 +180,7 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, batch.positions, self.rope)
         if batch.is_prefill:  # only the last token of each request is sampled
             last = host_to_device(batch.extend_lens, x.device).cumsum(0) - 1
-            x, residual = x[last], residual[last]
+            x = x[last]
+            residual = None if residual is None else residual[last]
         x, _ = self.model.norm.forward_with_residual(x, residual)
         return self.lm_head(x)

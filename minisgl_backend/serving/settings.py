@@ -24,6 +24,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type | str]] = {
     "attention_backend": ("attention_backend", str),
     "cuda_graph_max_bs": ("cuda_graph_max_bs", int),
     "overlap": ("overlap", "bool"),
+    "fused_gemv_max_bs": ("fused_gemv_max_bs", int),
     "mixed_prefill": ("mixed_prefill", "bool"),
     "load_format": ("load_format", str),
 }
