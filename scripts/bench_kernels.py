@@ -28,6 +28,7 @@ import argparse
 import itertools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from minisgl_backend.benchmark.hardware import measure_copy_bandwidth
 from minisgl_backend.benchmark.shapes import SHAPES
 from minisgl_backend.core import Batch
 from minisgl_backend.kvcache.pool import PagedKVPool
+
+if TYPE_CHECKING:
+    from kernels.gemv import GemvLaunch
 
 ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "GB/s",
                     "of copy bw")
@@ -298,17 +302,20 @@ def bench_prologue(args: argparse.Namespace, device: torch.device) -> list[list[
 # ----- decoder-layer projections at small batch ------------------------------------------------
 
 
-def gemv_variants(sweep: bool, rows: int) -> dict[str, dict[str, int]]:
-    """Name -> fused_gemv keyword arguments (tiles, and for one or two rows the CUDA-core
-    multiply)."""
+def gemv_variants(sweep: bool, rows: int) -> dict[str, GemvLaunch | None]:
+    """Name -> fused_gemv launch (None: its default for the rows)."""
+    from kernels.gemv import FMA_MAX_ROWS, GemvLaunch
+
     if not sweep:
-        return {"fused Triton": {}}
-    variants = {f"fused Triton n{n} k{k} s{s}": {"block_n": n, "block_k": k, "num_stages": s}
-                for n, k, s in itertools.product((16, 32), (128, 256, 512), (3, 4))}
-    if rows <= 2:
-        variants |= {f"fused Triton fma n{n} k{k} w{w}": {
-            "block_n": n, "block_k": k, "num_warps": w, "num_stages": 3, "use_dot": False}
-            for n, k, w in itertools.product((8, 16, 32), (128, 256), (4, 8))}
+        return {"fused Triton": None}
+    variants: dict[str, GemvLaunch | None] = {
+        f"fused Triton n{n} k{k} s{s}": GemvLaunch(block_n=n, block_k=k, use_dot=True,
+                                                   num_stages=s)
+        for n, k, s in itertools.product((16, 32), (128, 256, 512), (3, 4))}
+    if rows <= FMA_MAX_ROWS:
+        variants |= {f"fused Triton fma n{n} k{k} w{w}": GemvLaunch(
+            block_n=n, block_k=k, use_dot=False, num_warps=w)
+            for n, k, w in itertools.product((4, 8, 16), (256, 512), (4, 8))}
     return variants
 
 
@@ -357,11 +364,11 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
                 paths: dict[str, Callable[[], object]] = {
                     "cuBLAS GEMV only": lambda: F.linear(x[:, :k], next(weights), out=out),
                     "layer ops today": layer_ops}
-                for label, tiles in gemv_variants(args.sweep, bs).items():
-                    paths[label] = lambda t=tiles: fused_gemv(
+                for label, launch in gemv_variants(args.sweep, bs).items():
+                    paths[label] = lambda launch=launch: fused_gemv(
                         x, next(weights), norm_weight=norm_w if prologue == "norm" else None,
                         eps=1e-5, gated=prologue == "gated", residual=residual if add else None,
-                        out=out, **t)
+                        out=out, launch=launch)
                 weight_bytes = n * k * torch.finfo(dtype).bits // 8
 
                 def row(label: str, seconds: float) -> list[str]:

@@ -220,7 +220,7 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     assert [r[1] for r in rows[::per_projection]] == ["qkv", "o", "gate_up", "down"]
     assert [r[3] for r in rows[:3]] == ["cuBLAS GEMV only", "layer ops today",
                                         "fused Triton n16 k128 s3"]
-    assert rows[per_projection - 1][3] == "fused Triton fma n32 k256 w8"
+    assert rows[per_projection - 1][3] == "fused Triton fma n16 k512 w8"
     assert len(rows) == 4 * per_projection
     assert all(number(r[4]) > 0 for r in rows)
     header, rows = last_table(run.stdout.split("## Decoder-layer")[0])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import is_interpreted
-from kernels.gemv import _gemv_kernel, fused_gemv
+from kernels.gemv import FMA_MAX_ROWS, GemvLaunch, _gemv_kernel, fused_gemv
 
 INTERPRETED = is_interpreted(_gemv_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -34,17 +34,17 @@ VARIANTS = ["plain", "norm", "gated", "residual", "norm+residual"]
 def _reference(variant: str, x: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
                residual: torch.Tensor) -> torch.Tensor:
     """The torch ops of the layer, computed in float32 from the same inputs, rounded where the
-    layer rounds (to the weight's dtype)."""
+    kernel rounds (to the weight's dtype; with the norm, 1/RMS scales the product)."""
     dtype = weight.dtype
+    inv_rms = 1.0
     if variant.startswith("norm"):
         x32 = x.float()
-        x = norm_w.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
-                              ).to(dtype).float()
-        x = x.to(dtype)
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+        x = (norm_w.float() * x32).to(dtype)
     elif variant == "gated":
         gate, up = x.float().chunk(2, dim=-1)
         x = (F.silu(gate).to(dtype).float() * up).to(dtype)
-    y = F.linear(x.float(), weight.float()).to(dtype)
+    y = (F.linear(x.float(), weight.float()) * inv_rms).to(dtype)
     if variant.endswith("residual"):
         y = (y.float() + residual.float()).to(dtype)
     return y
@@ -69,7 +69,8 @@ def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int,
     out = fused_gemv(
         x, weight, norm_weight=norm_w if variant.startswith("norm") else None, eps=EPS,
         gated=variant == "gated", residual=residual if variant.endswith("residual") else None,
-        block_n=16, block_k=32 if device == "cpu" else 256, use_dot=use_dot)
+        launch=GemvLaunch(block_n=16 if use_dot else 8, block_k=32 if device == "cpu" else 256,
+                          use_dot=use_dot))
     assert out.shape == (rows, n) and out.dtype == dtype
     expected = _reference(variant, x, weight, norm_w, residual)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -87,6 +88,9 @@ def test_rejects_what_it_cannot_do() -> None:
     weight = torch.zeros(32, 16)
     with pytest.raises(AssertionError, match="1 to 16 rows"):
         fused_gemv(torch.zeros(17, 16), weight)
+    with pytest.raises(AssertionError, match=f"1 to {FMA_MAX_ROWS} rows"):
+        fused_gemv(torch.zeros(FMA_MAX_ROWS + 1, 16), weight,
+                   launch=GemvLaunch(block_n=8, block_k=16, use_dot=False))
     with pytest.raises(AssertionError, match="does not fit"):
         fused_gemv(torch.zeros(2, 16), weight, gated=True)
     with pytest.raises(AssertionError, match="do not combine"):
