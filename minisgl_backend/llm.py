@@ -49,8 +49,8 @@ class LLM:
         cuda_graph_max_bs: GPU: decode batches up to this size replay CUDA graphs; 0: off.
         overlap: GPU: the engine prepares and launches step N+1 while step N runs.
         fused_gemv_max_bs: GPU, tp_size 1: decode batches up to this size (at most 16) run each
-            layer's projections as few-rows GEMV kernels with the norms, SiLU-and-mul and
-            residual adds folded in; 0: off.
+            small dense layer's projections as few-rows GEMV kernels with the norms,
+            SiLU-and-mul and residual adds folded in; 0: off.
         mixed_prefill: a prefill step also decodes one token of every running request, so
             that arriving requests do not pause the running ones for a step.
         debug_checks: verify page accounting after every step (slow; for tests).
@@ -73,7 +73,7 @@ class LLM:
         load_format: str = "auto",
         cuda_graph_max_bs: int = 256,
         overlap: bool = True,
-        fused_gemv_max_bs: int = 0,
+        fused_gemv_max_bs: int = 1,
         mixed_prefill: bool = False,
         debug_checks: bool = False,
     ) -> None:

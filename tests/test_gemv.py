@@ -151,3 +151,19 @@ def test_decoder_layers_with_fused_gemvs_match_their_usual_path(
     assert len(calls) == (4 if arch == "qwen3_moe" else 12)
     torch.testing.assert_close(fused, usual, rtol=1e-4, atol=1e-4)
     assert run_layers(rows - 1).equal(usual)  # more rows than the setting: the usual path
+
+
+def test_only_small_dense_layers_take_the_fused_gemvs() -> None:
+    """The size bound: Qwen3-0.6B's layers (16M projection weights) fit, Llama-3.1-8B's (218M)
+    and MoE layers do not (built on the meta device: no memory)."""
+    from minisgl_backend.benchmark.shapes import shape_config
+    from minisgl_backend.models import ModelConfig
+    from minisgl_backend.models.decoder import DecoderLayer
+
+    def first_layer(shape: str) -> DecoderLayer:
+        with torch.device("meta"):
+            return DecoderLayer(ModelConfig.from_dict(shape_config(shape, 1)), 0)
+
+    assert first_layer("qwen3-0.6b").fused_gemv_fits
+    assert not first_layer("llama-3.1-8b").fused_gemv_fits
+    assert not first_layer("qwen3-30b-a3b").fused_gemv_fits

@@ -89,6 +89,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+# Layers with at most this many projection weights take the fused few-rows GEMVs. The H200
+# (benchmark/RESULTS.md, fifth GPU session) measured batch-1 wins on Qwen3-0.6B's 16M-weight
+# layers and losses on Llama-3.1-8B's 218M (where cuBLAS reads big weights faster than
+# kernels/gemv.py); sizes between are unmeasured, so the bound stays near the measured win.
+FUSED_GEMV_MAX_LAYER_WEIGHTS = 32 * 2**20
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -103,6 +110,14 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_gemv_fits = (  # a dense layer, small enough, without q/k/v biases
+            isinstance(self.mlp, GatedMLP) and self.self_attn.qkv_proj.bias is None
+            and self._projection_weights() <= FUSED_GEMV_MAX_LAYER_WEIGHTS)
+
+    def _projection_weights(self) -> int:
+        attn, mlp = self.self_attn, self.mlp
+        return sum(p.weight.numel() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                              mlp.down_proj))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -118,10 +133,10 @@ class DecoderLayer(nn.Module):
 
     def _takes_fused_gemvs(self, x: torch.Tensor) -> bool:
         """A decode batch of few rows, on an engine that turned the GEMVs on (GPU, no tensor
-        parallelism); MoE layers and q/k/v biases keep the layer's usual path."""
+        parallelism), in a layer they fit (`fused_gemv_fits`)."""
         ctx = get_global_ctx()
-        return (0 < x.shape[0] <= ctx.fused_gemv_max_rows and ctx.batch.is_decode
-                and isinstance(self.mlp, GatedMLP) and self.self_attn.qkv_proj.bias is None)
+        return (self.fused_gemv_fits and 0 < x.shape[0] <= ctx.fused_gemv_max_rows
+                and ctx.batch.is_decode)
 
     def _forward_fused_gemvs(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
