@@ -73,7 +73,7 @@ class LLM:
         load_format: str = "auto",
         cuda_graph_max_bs: int = 256,
         overlap: bool = True,
-        fused_gemv_max_bs: int = 1,
+        fused_gemv_max_bs: int = 2,
         mixed_prefill: bool = False,
         debug_checks: bool = False,
     ) -> None:

@@ -26,7 +26,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     overlap: bool = True  # GPU: prepare and launch step N+1 while step N runs
     # GPU, tp_size 1: decode batches up to this size run fused few-rows GEMVs; 0: off.
-    fused_gemv_max_bs: int = 1
+    fused_gemv_max_bs: int = 2
 
     @property
     def device_type(self) -> str:
