@@ -77,7 +77,10 @@ class QKVParallelLinear(nn.Module):
         self.bias = _param(out) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)
+        return self.split(F.linear(x, self.weight, self.bias))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v parts (views) of this layer's output."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 

@@ -152,9 +152,7 @@ class DecoderLayer(nn.Module):
         h = x if residual is None else x + residual
         qkv = fused_gemv(h, attn.qkv_proj.weight, norm_weight=self.input_layernorm.weight,
                          eps=self.input_layernorm.eps)
-        q, k, v = qkv.split([attn.qkv_proj.q_size, attn.qkv_proj.kv_size,
-                             attn.qkv_proj.kv_size], dim=-1)
-        o = attn.attend(q, k, v, positions, rope)
+        o = attn.attend(*attn.qkv_proj.split(qkv), positions, rope)
         h = fused_gemv(o, attn.o_proj.weight, residual=h)
         gate_up = fused_gemv(h, mlp.gate_up_proj.weight,
                              norm_weight=self.post_attention_layernorm.weight,
