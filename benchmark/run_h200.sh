@@ -54,6 +54,11 @@ if wants decode; then
     --new-tokens 256 --repeats 1
   TAIL=3 step 120 decode-qwen3-0.6b-graphs python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf
+  # The fused few-rows GEMVs (default up to batch 2 for small layers) against cuBLAS.
+  TAIL=6 step 120 decode-qwen3-0.6b-fused-4 python3 scripts/bench_decode.py --shape qwen3-0.6b \
+    --batch-sizes 1 2 4 8 --new-tokens 128 --skip-hf --fused-gemv-max-bs 4
+  TAIL=6 step 120 decode-qwen3-0.6b-fused-off python3 scripts/bench_decode.py \
+    --shape qwen3-0.6b --batch-sizes 1 2 4 8 --new-tokens 128 --skip-hf --fused-gemv-max-bs 0
   TAIL=3 step 120 decode-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
 fi
@@ -62,7 +67,7 @@ wants kernels && TAIL=40 step 300 kernels python3 scripts/bench_kernels.py \
   --parts attention silu sampling prologue
 # The fused few-rows GEMV's tiles against the layer's ops today (decides its wiring).
 wants kernels && TAIL=60 step 300 kernels-gemv python3 scripts/bench_kernels.py --parts gemv \
-  --sweep --shapes llama-3.1-8b --batch-sizes 1 4 16
+  --sweep --shapes llama-3.1-8b qwen3-0.6b --batch-sizes 1 2 4
 if wants mixed; then  # mixed prefill steps against the default, offline and at concurrency 64
   for shape in qwen3-0.6b llama-3.1-8b; do
     MINISGL_STEP_TIMES_DIR="$OUT/steps" TAIL=1 step 180 "offline-$shape-mixed" \
