@@ -343,7 +343,8 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
             for name, (n, k, prologue, add) in projections.items():
                 # Successive calls read different copies of the weight (>= 4x the H200's 50 MB
                 # L2 in all), as the layers of a model do: one copy would be served from L2.
-                copies = -(-L2_DEFEAT_BYTES // (n * k * 2)) if device.type == "cuda" else 1
+                weight_bytes = n * k * torch.finfo(dtype).bits // 8
+                copies = -(-L2_DEFEAT_BYTES // weight_bytes) if device.type == "cuda" else 1
                 weights = itertools.cycle([torch.randn(n, k, device=device, dtype=dtype) / k**0.5
                                            for _ in range(copies)])
                 x = torch.randn(bs, 2 * k if prologue == "gated" else k, device=device,
@@ -369,7 +370,6 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
                         x, next(weights), norm_weight=norm_w if prologue == "norm" else None,
                         eps=1e-5, gated=prologue == "gated", residual=residual if add else None,
                         out=out, launch=launch)
-                weight_bytes = n * k * torch.finfo(dtype).bits // 8
 
                 def row(label: str, seconds: float) -> list[str]:
                     rate = weight_bytes / seconds

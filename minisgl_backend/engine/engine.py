@@ -7,7 +7,6 @@ previous step: the scheduler never has to send them back.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -25,7 +24,7 @@ from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.kvcache.pool import PagedKVPool
-from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module
+from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
 
 logger = logging.getLogger(__name__)
@@ -96,8 +95,7 @@ class Engine:
                 and flashinfer_module() is None:
             logger.warning("flashinfer is not importable here: norms, activations and prefill "
                            "attention fall back to slower kernels (sys.path: %s)", sys.path)
-        fused_gemvs = (self.device.type == "cuda" and config.tp_size == 1
-                       and importlib.util.find_spec("triton") is not None)
+        fused_gemvs = self.device.type == "cuda" and config.tp_size == 1 and has_triton()
         self.ctx = Context(self.page_size, self.kv_pool, self.attn_backend,
                            fused_gemv_max_rows=config.fused_gemv_max_bs if fused_gemvs else 0)
         set_global_ctx(self.ctx)
@@ -111,9 +109,9 @@ class Engine:
 
     def _use_cuda_graphs(self) -> bool:
         # MoE layers need the fused Triton path: the torch one reads expert ids on the host.
-        moe_ok = self.model_config.num_experts == 0 or importlib.util.find_spec("triton")
+        moe_ok = self.model_config.num_experts == 0 or has_triton()
         return (self.device.type == "cuda" and self.config.cuda_graph_max_bs > 0
-                and self.attn_backend.supports_cuda_graph and bool(moe_ok))
+                and self.attn_backend.supports_cuda_graph and moe_ok)
 
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""

@@ -28,13 +28,13 @@ def flashinfer_module() -> ModuleType | None:
 
 
 @lru_cache(maxsize=None)
-def _has_triton() -> bool:
+def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def use_triton_kernels(x: torch.Tensor) -> bool:
     """The project's own Triton kernels (`kernels/`) run compiled on a GPU."""
-    return x.is_cuda and _has_triton()
+    return x.is_cuda and has_triton()
 
 
 def use_flashinfer(x: torch.Tensor) -> bool:
