@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
+
+from minisgl_backend.fields import Spec, is_int, is_number, spec_field, specs_of, validate
 
 if TYPE_CHECKING:
     import torch
@@ -21,63 +23,10 @@ if TYPE_CHECKING:
 Phase = Literal["prefill", "decode"]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and when it stops.
-
-    `temperature == 0` (or `top_k == 1`) means greedy decoding. `seed` makes sampling
-    reproducible: the same seed and prompt give the same output whatever else is batched with it.
-    `stop` strings end the request when its decoded text contains one (the text is cut before it);
-    `stop_token_ids` end it when such a token is sampled, like EOS; neither is sampled before
-    `min_tokens` tokens have been generated.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] | list[str] | str | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
-    min_tokens: int = 0  # EOS and stop token ids cannot end the request before this many tokens
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], "
-                             f"got {self.min_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "stop", _normalize_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalize_stop_ids(self.stop_token_ids))
-
-    @property
-    def is_greedy(self) -> bool:
-        # Below GREEDY_TEMPERATURE, logits / temperature would overflow float32: act greedy.
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+MAX_LOGPROBS = 20  # alternatives reported per token at most
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request at most
+MAX_SAMPLES = 64  # n at most
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:
@@ -85,19 +34,163 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(s == "" for s in stop):
-        raise ValueError("stop must not contain empty strings")
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError("a non-empty string or a list of non-empty strings")
     return tuple(stop)
 
 
-def _normalize_stop_ids(ids: object) -> tuple[int, ...]:
+def _normalize_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-        raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+    if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+        raise ValueError("a list of non-negative integers")
     return tuple(ids)
+
+
+def _normalize_bad_words(words: object) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+        raise ValueError("a list of non-empty strings")
+    return tuple(words)
+
+
+def _normalize_bad_token_ids(seqs: object) -> tuple[tuple[int, ...], ...]:
+    if seqs is None:
+        return ()
+    if not isinstance(seqs, (list, tuple)) or not all(
+            isinstance(s, (list, tuple)) and s and all(is_int(i) and i >= 0 for i in s)
+            for s in seqs):
+        raise ValueError("a list of non-empty lists of non-negative integers")
+    return tuple(tuple(s) for s in seqs)
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float]:
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
+            is_int(k) and k >= 0 and is_number(v) and math.isfinite(v) and -100 <= v <= 100
+            for k, v in bias.items()):
+        raise ValueError(f"a dict of at most {MAX_LOGIT_BIAS} token ids (non-negative "
+                         f"integers) to numbers in [-100, 100]")
+    return {int(k): float(v) for k, v in bias.items()}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples, when it stops, and what it reports.
+
+    `temperature == 0` (or `top_k == 1`) means greedy decoding. `seed` makes sampling
+    reproducible: the same seed and prompt give the same output whatever else is batched with it.
+    `stop` strings end the request when its decoded text contains one (the text is cut before it);
+    `stop_token_ids` end it when such a token is sampled, like EOS; neither is sampled before
+    `min_tokens` tokens have been generated.
+
+    The logits of a step go through, in this order: repetition penalty, presence and frequency
+    penalties, `logit_bias`, the bad-word mask, the min_tokens mask, then temperature, `min_p`,
+    top-k and top-p. `logprobs` are taken from the raw logits, before all of them.
+
+    Every field is declared once with its range (`minisgl_backend.fields`); invalid values raise
+    ValueError naming the field.
+    """
+
+    max_tokens: int = spec_field(16, "int", "tokens to generate at most", low=1)
+    temperature: float = spec_field(0.0, "float", "0: greedy", low=0, row_dtype="float32")
+    top_k: int = spec_field(-1, "int", "sample among the k most likely tokens (-1: off)", low=1,
+                            also=(-1,), row_dtype="int32")
+    top_p: float = spec_field(1.0, "float", "nucleus: the smallest set of most likely tokens "
+                              "with this much probability", low=0, high=1, low_open=True,
+                              row_dtype="float32")
+    min_p: float = spec_field(0.0, "float", "drop tokens less likely than min_p times the most "
+                              "likely one (after temperature)", low=0, high=1,
+                              row_dtype="float32")
+    seed: int | None = spec_field(None, "int", "makes sampling reproducible", low=0,
+                                  high=2**64, high_open=True, nullable=True)
+    repetition_penalty: float = spec_field(
+        1.0, "float", "divides positive logits (multiplies negative ones) of tokens in the "
+        "prompt or the output (HF / CTRL)", low=0, low_open=True, row_dtype="float32")
+    presence_penalty: float = spec_field(
+        0.0, "float", "subtracted from the logits of tokens in the output (OpenAI)", low=-2,
+        high=2, row_dtype="float32")
+    frequency_penalty: float = spec_field(
+        0.0, "float", "times its count in the output, subtracted from a token's logit (OpenAI)",
+        low=-2, high=2, row_dtype="float32")
+    logit_bias: dict[int, float] | None = spec_field(
+        None, "custom", "token id -> value added to its logit", normalize=_normalize_logit_bias)
+    bad_words: tuple[str, ...] | list[str] | None = spec_field(
+        None, "custom", "strings whose tokens are never completed (also with a leading space)",
+        normalize=_normalize_bad_words)
+    bad_token_ids: tuple[tuple[int, ...], ...] | list[list[int]] | None = spec_field(
+        None, "custom", "token sequences whose last token is never sampled after the others",
+        normalize=_normalize_bad_token_ids)
+    ignore_eos: bool = spec_field(False, "bool", "keep generating after EOS")
+    stop: tuple[str, ...] | list[str] | str | None = spec_field(
+        None, "custom", "stop strings (the text is cut before them)", normalize=_normalize_stop)
+    stop_token_ids: tuple[int, ...] | list[int] | None = spec_field(
+        None, "custom", "token ids that end the request like EOS",
+        normalize=_normalize_token_ids)
+    min_tokens: int = spec_field(0, "int", "EOS and stop token ids cannot end the request "
+                                 "before this many tokens", low=0, high="max_tokens")
+    logprobs: int | None = spec_field(
+        None, "int", "report each token's log-probability and this many most likely "
+        "alternatives (0: the token's only)", low=0, high=MAX_LOGPROBS, nullable=True,
+        row_dtype="int32")
+    n: int = spec_field(1, "int", "samples of the prompt (prefilled once, seeds derived from "
+                        "`seed`)", low=1, high=MAX_SAMPLES)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        # Below GREEDY_TEMPERATURE, logits / temperature would overflow float32: act greedy.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def row_values(self, seed: int) -> dict[str, float | int]:
+        """The per-row engine controls (fields with a `row_dtype`) as the engine reads them:
+        greedy rows at temperature 0, `logprobs` None as -1, and the request's resolved seed."""
+        values: dict[str, float | int] = {}
+        for name, (spec, _) in ROW_CONTROLS.items():
+            value = getattr(self, name)
+            values[name] = -1 if value is None else value
+        values["temperature"] = 0.0 if self.is_greedy else self.temperature
+        values["seed"] = seed
+        return values
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with `n` samples: `seed` itself for sample 0,
+    a 64-bit mix of (seed, index) for the others, so each sample equals a single request with
+    its derived seed."""
+    if index == 0:
+        return seed
+    x = (seed ^ (index * 0x9E3779B97F4A7C15)) & _UINT64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64
+        x = ((x ^ (x >> shift)) * mult) & _UINT64
+    return x ^ (x >> 31)
+
+
+_UINT64 = (1 << 64) - 1
+# The per-row scalars the engine keeps for every table row (sent when a request is admitted),
+# and their dtypes; `seed` is the request's resolved seed, also sent per row.
+ROW_CONTROLS: dict[str, tuple[Spec, Any]] = {
+    name: entry for name, entry in specs_of(SamplingParams).items()
+    if entry[0].row_dtype is not None}
+ROW_DTYPES: dict[str, str] = {**{name: spec.row_dtype for name, (spec, _) in ROW_CONTROLS.items()},
+                              "seed": "int64"}
+
+
+def check_token_ids(name: str, ids: Iterable[int], vocab_size: int) -> None:
+    """The one rule for token ids a request gives (prompt, stop ids, bans, biases): each in
+    [0, vocab_size), since the engine indexes its embedding and logits with them."""
+    ids = list(ids)
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size})")
 
 
 @dataclass(eq=False)
@@ -130,6 +223,9 @@ class Req:
     pages: list[int] = field(default_factory=list)
     pages_sent: int = 0  # how many of `pages` the engine already has in its row
     owned_pages: set[int] = field(default_factory=set)
+    index: int = 0  # its sample number among the request's `n`
+    wait_for: Req | None = None  # sample 0, whose cached prompt this sample waits for
+    bans: tuple[tuple[int, ...], ...] = ()  # bad_token_ids + the tokenized bad_words
 
     def __post_init__(self) -> None:
         if self.max_device_len == 0:

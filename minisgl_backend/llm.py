@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from minisgl_backend.core import SamplingParams
+from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.tokenizer import encode_prompt
@@ -20,13 +20,23 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class GenerationOutput:
-    """The result of one prompt."""
+    """The result of one sample of one prompt."""
 
     prompt_tokens: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     finish_reason: str | None = None  # "stop" or "length"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # the sample number, 0 .. n - 1
+    # With SamplingParams.logprobs set, per generated token: its log-probability (log-softmax
+    # of the raw logits) and the `logprobs` most likely tokens with theirs.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of `logprobs` (None when they were not asked for)."""
+        return None if self.logprobs is None else float(sum(self.logprobs))
 
 
 class LLM:
@@ -114,7 +124,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (a string or a list of token ids); results in prompt order.
+        """Generate for every prompt (a string or a list of token ids); results in prompt order,
+        `n` per prompt (`SamplingParams.n`; prompt 0's samples first, by `.index`).
 
         Raises ValueError for an invalid prompt or settings, RuntimeError if the engine fails.
         """
@@ -125,10 +136,10 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"sampling_params[{i}].stop needs a tokenizer in the model folder")
             try:
-                self.scheduler.check_request(len(ids), p)
+                self.scheduler.check_request(ids, p)
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
-        collector = _Collector(len(token_lists))
+        collector = _Collector([p.n for p in params])
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             self.scheduler.submit(ids, p, collector.callback_for(i))
         return collector.wait()
@@ -141,8 +152,7 @@ class LLM:
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"prompts[{index}] must be a string or a list of token ids")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ValueError(f"prompts[{index}] has token ids outside [0, {self.vocab_size})")
+        check_token_ids(f"prompts[{index}]", ids, self.vocab_size)
         return ids
 
     def shutdown(self) -> None:
@@ -157,9 +167,12 @@ class LLM:
 
 
 class _Collector:
-    """Gathers the outputs of one `generate` call; `wait` returns them in prompt order."""
+    """Gathers the outputs of one `generate` call; `wait` returns them in prompt order, each
+    prompt's samples in index order."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, samples: list[int]) -> None:
+        self.first = [sum(samples[:i]) for i in range(len(samples))]  # slot of sample 0
+        count = sum(samples)
         self.results: list[GenerationOutput | None] = [None] * count
         self.errors: list[str] = []
         self.remaining = count
@@ -170,12 +183,19 @@ class _Collector:
 
     def callback_for(self, index: int):  # noqa: ANN201 - a closure over the prompt index
         def on_output(out: RequestOutput) -> None:
-            result = self.results[index]
+            slot = self.first[index] + out.index
+            result = self.results[slot]
             if result is None:
-                result = self.results[index] = GenerationOutput(prompt_tokens=out.prompt_tokens)
+                result = self.results[slot] = GenerationOutput(prompt_tokens=out.prompt_tokens,
+                                                               index=out.index)
             result.text += out.text
             result.token_ids.extend(out.token_ids)
             result.cached_tokens = out.cached_tokens
+            if out.logprobs is not None:
+                if result.logprobs is None:
+                    result.logprobs, result.top_logprobs = [], []
+                result.logprobs.extend(out.logprobs)
+                result.top_logprobs.extend(out.top_logprobs or ())
             if out.finished:
                 result.finish_reason = out.finish_reason
                 with self.lock:
@@ -190,7 +210,7 @@ class _Collector:
     def wait(self) -> list[GenerationOutput]:
         self.done.wait()
         if self.errors:
-            raise RuntimeError("; ".join(self.errors))
+            raise RuntimeError("; ".join(dict.fromkeys(self.errors)))
         return [r for r in self.results if r is not None]
 
 

@@ -26,13 +26,13 @@ from minisgl_backend.benchmark.shapes import shape_config, write_config
 from minisgl_backend.distributed import destroy_process_group
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.engine import Engine
-from minisgl_backend.engine.protocol import StepMessage, decode
+from minisgl_backend.engine.protocol import StepMessage
 
 PROMPT_LEN = 32
 
 
 def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_LEN,
-                  temperature: float = 0.0) -> tuple[dict, list[dict]]:
+                  temperature: float = 0.0) -> tuple[StepMessage, list[StepMessage]]:
     """A prefill admitting `bs` requests, then `steps` decode steps (pages added as needed)."""
     ps = engine.page_size
     pages_per_req = -(-(prompt_len + steps + 1) // ps)
@@ -43,8 +43,8 @@ def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_
         tokens=[(7 * r + i) % 1000 + 5 for r in range(bs) for i in range(prompt_len)],
         page_rows=list(range(bs)), page_counts=[first] * bs,
         new_pages=[p for r in range(bs) for p in page_of[r][:first]],
-        admit_rows=list(range(bs)), admit_temperature=[temperature] * bs,
-        admit_top_k=[-1] * bs, admit_top_p=[1.0] * bs, admit_seed=list(range(bs)))
+        admit_rows=list(range(bs)),
+        admit={"temperature": [temperature] * bs, "seed": list(range(bs))})
     decodes = []
     for step in range(steps):
         length = prompt_len + step + 1  # tokens with KV after this step
@@ -53,12 +53,12 @@ def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_
             page = (length - 1) // ps
             msg.page_rows, msg.page_counts = list(range(bs)), [1] * bs
             msg.new_pages = [page_of[r][page] for r in range(bs)]
-        decodes.append(decode(msg.to_bytes())[1])
-    return decode(prefill.to_bytes())[1], decodes
+        decodes.append(StepMessage.from_bytes(msg.to_bytes()))
+    return StepMessage.from_bytes(prefill.to_bytes()), decodes
 
 
 def start_requests(engine: Engine, bs: int, steps: int, args: argparse.Namespace
-                   ) -> tuple[dict, list[dict]]:
+                   ) -> tuple[StepMessage, list[StepMessage]]:
     """Clear the engine's page mappings, prefill `bs` fresh requests (waited for) and return
     that prefill's message and the `steps` decode messages that follow it."""
     engine.page_table.fill_(engine.kv_pool.dummy_page)

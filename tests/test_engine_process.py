@@ -19,8 +19,8 @@ def _prefill() -> StepMessage:
     return StepMessage(is_prefill=True, rows=[0], starts=[0], extend_lens=[len(PROMPT)],
                        tokens=PROMPT, page_rows=[0], page_counts=[len(PROMPT) + STEPS],
                        new_pages=list(range(len(PROMPT) + STEPS)), admit_rows=[0],
-                       admit_temperature=[0.0], admit_top_k=[-1], admit_top_p=[1.0],
-                       admit_seed=[0])
+                       admit={"temperature": [0.0], "top_k": [-1], "top_p": [1.0],
+                              "seed": [0]})
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -38,7 +38,7 @@ def test_decode_steps_sent_before_reading_tokens_equal_hf(tiny_models: dict[str,
             client.send(StepMessage(is_prefill=False, rows=[0]).to_bytes())
         if overlap:
             client.flush()
-        tokens = [int(client.receive_tokens(timeout=60)[0]) for _ in range(STEPS)]
+        tokens = [int(client.receive_step(timeout=60).tokens[0]) for _ in range(STEPS)]
     finally:
         client.shutdown()
     assert tokens == hf_greedy(model, [PROMPT], STEPS)[0]

@@ -278,7 +278,7 @@ def test_invalid_token_ids_amid_load_fail_alone(tiny_models: dict[str, Path], wo
     assert failure is None
     assert all(results[u].outputs[-1].finish_reason == "error" for u in bad_uids)
     assert all(len(results[u].outputs) == 1 for u in bad_uids)
-    assert set(errors) == {"prompt token ids must be in [0, 512)",
-                           "stop_token_ids must be below the vocabulary size 512"}
+    assert set(errors) == {"prompt has token ids outside [0, 512)",
+                           "stop_token_ids has token ids outside [0, 512)"}
     assert [results[u].result() for u in good_uids] == alone
     assert stats.kv_pages_in_use == 0 and stats.running == 0 and stats.waiting == 0, stats

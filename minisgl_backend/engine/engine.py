@@ -20,7 +20,9 @@ from minisgl_backend.core import Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
+from minisgl_backend.engine.controls import LogitControls, LogprobReport, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
+from minisgl_backend.engine.protocol import StepMessage, StepReply
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.kvcache.pool import PagedKVPool
@@ -33,25 +35,40 @@ MAX_CPU_DEFAULT_TOKENS = 1 << 20
 
 
 class StepHandle:
-    """A launched step. On a GPU its sampled ids are copied to pinned host memory without
-    blocking; `wait()` blocks until they are there. The handle keeps the step's inputs alive."""
+    """A launched step. On a GPU its sampled ids (and log-probabilities, if any row asked) are
+    copied to pinned host memory without blocking; `wait()` blocks until they are there. The
+    handle keeps the step's inputs alive."""
 
-    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None, batch: Batch) -> None:
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None, batch: Batch,
+                 logprobs: LogprobReport | None = None) -> None:
         self.batch = batch
+        self._lp_rows = logprobs.batch_rows if logprobs is not None else None
+        extras = ([logprobs.token, logprobs.top_ids.to(torch.int32), logprobs.top_logprobs]
+                  if logprobs is not None else [])
         if host is None:  # CPU: the step already ran
             self._tokens, self._event = tokens.to(torch.int32).numpy(), None
+            self._extras = [t.numpy() for t in extras]
             return
         host = host[: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         self._tokens = host
+        self._extras = []
+        for t in extras:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            self._extras.append(pinned)
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def wait(self) -> np.ndarray:
+    def wait(self) -> StepReply:
         if self._event is not None:
             self._event.synchronize()
             self._tokens, self._event = self._tokens.numpy().copy(), None
-        return self._tokens
+            self._extras = [t.numpy() for t in self._extras]
+        if self._lp_rows is None:
+            return StepReply(self._tokens)
+        token_lp, top_ids, top_lp = self._extras
+        return StepReply(self._tokens, self._lp_rows.astype(np.int32), token_lp, top_ids, top_lp)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -126,10 +143,9 @@ class Engine:
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
         # Sampling parameters per row, on the host: each sampled step uploads its rows' values
         # (and their seeded uniforms) in two copies.
-        self.temperature = np.zeros(num_rows, dtype=np.float64)
-        self.top_k = np.full(num_rows, -1, dtype=np.int64)
-        self.top_p = np.ones(num_rows, dtype=np.float64)
-        self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.row_params = RowParams(num_rows)
+        self.controls = LogitControls(self.row_params, num_rows, self.model_config.vocab_size,
+                                      self.token_pool)
         self.row_greedy = np.ones(num_rows, dtype=bool)
         self.row_filtered = np.zeros(num_rows, dtype=bool)  # top-k / top-p set (host copy)
         # min_tokens: stop ids of a row are masked while it samples positions below row_min_len.
@@ -166,19 +182,20 @@ class Engine:
         return max(1, tokens // self.page_size)
 
     @torch.inference_mode()
-    def launch(self, msg: dict[str, np.ndarray], waited: float = 0.0) -> StepHandle:
+    def launch(self, msg: StepMessage, waited: float = 0.0) -> StepHandle:
         """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
         the next message can be applied while this step runs). `waited`: seconds this rank
         waited for the message (for the step timeline)."""
         if self.timeline is not None:
             self.timeline.begin(waited)
-        rows = msg["rows"].astype(np.int64)
-        if "admit_rows" in msg:
+        rows = np.asarray(msg.rows, dtype=np.int64)
+        if len(msg.admit_rows):
             self._admit(msg)
-        if "min_rows" in msg:
+        if len(msg.min_rows):
             self._set_min_lens(msg)
-        self._map_new_pages(msg["page_rows"].astype(np.int64), msg["page_counts"].astype(np.int64),
-                            msg["new_pages"])
+        self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
+                            np.asarray(msg.page_counts, dtype=np.int64),
+                            np.asarray(msg.new_pages, dtype=np.int64))
         batch = self._make_batch(rows, msg)
         if self.timeline is not None:
             self.timeline.forward()
@@ -188,46 +205,50 @@ class Engine:
             self.attn_backend.prepare(batch, self.page_table)
             with self.ctx.forward_batch(batch):
                 logits = self.model()
-        self._mask_early_stops(logits, rows, batch.seq_lens)
         # The sampled token's position: it seeds sampling and is where the token pool keeps it.
         if batch.is_decode:
             next_positions = batch.positions + 1
         else:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
+        raw_logprobs = self.controls.raw_logprobs(logits, rows)
+        self.controls.apply(logits, rows, batch.rows, next_positions)
+        self._mask_early_stops(logits, rows, batch.seq_lens)
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:
             next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
         next_tokens = next_tokens.to(torch.int32)
         self.token_pool[batch.rows, next_positions] = next_tokens
+        self.controls.record(rows, batch.rows, next_tokens, self.row_len[rows])
+        report = (self.controls.report(raw_logprobs, rows, next_tokens)
+                  if raw_logprobs is not None else None)
         host = None
         if self.device.type == "cuda":
             # Two pinned buffers: step N+1 is launched before step N's ids are read.
             host = self._host_tokens[self.num_launched % 2]
         self.num_launched += 1
-        handle = StepHandle(next_tokens, host, batch)
+        handle = StepHandle(next_tokens, host, batch, report)
         if self.timeline is not None:
             self.timeline.end(batch.phase, len(rows))
         return handle
 
 
-    def _admit(self, msg: dict[str, np.ndarray]) -> None:
-        rows = msg["admit_rows"].astype(np.int64)
+    def _admit(self, msg: StepMessage) -> None:
+        rows = np.asarray(msg.admit_rows, dtype=np.int64)
         self.row_pages[rows] = 0
         self.row_len[rows] = 0
-        temps, top_k = msg["admit_temperature"], msg["admit_top_k"]
-        self.temperature[rows] = temps
-        self.top_k[rows] = top_k
-        self.top_p[rows] = msg["admit_top_p"]
-        self.seed[rows] = msg["admit_seed"]
+        self.row_params.admit(rows, msg.admit)
+        temps, top_k = self.row_params["temperature"][rows], self.row_params["top_k"][rows]
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
-        self.row_filtered[rows] = (top_k > 0) | (msg["admit_top_p"] < 1.0)
+        self.row_filtered[rows] = (top_k > 0) | (self.row_params["top_p"][rows] < 1.0)
         self.row_min_len[rows] = 0
+        self.controls.admit(msg)
 
-    def _set_min_lens(self, msg: dict[str, np.ndarray]) -> None:
-        counts = msg["min_stop_counts"].astype(np.int64)
-        ids = np.split(msg["min_stop_ids"].astype(np.int64), np.cumsum(counts)[:-1])
-        for row, min_len, stop_ids in zip(msg["min_rows"].tolist(), msg["min_lens"].tolist(), ids):
+    def _set_min_lens(self, msg: StepMessage) -> None:
+        counts = np.asarray(msg.min_stop_counts, dtype=np.int64)
+        ids = np.split(np.asarray(msg.min_stop_ids, dtype=np.int64), np.cumsum(counts)[:-1])
+        for row, min_len, stop_ids in zip(np.asarray(msg.min_rows).tolist(),
+                                          np.asarray(msg.min_lens).tolist(), ids):
             self.row_min_len[row] = min_len
             self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
 
@@ -247,18 +268,19 @@ class Engine:
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
         np.add.at(self.row_pages, rows, counts)
 
-    def _make_batch(self, rows: np.ndarray, msg: dict[str, np.ndarray]) -> Batch:
+    def _make_batch(self, rows: np.ndarray, msg: StepMessage) -> Batch:
         dev = self.device
-        if msg["is_prefill"][0]:
+        if msg.is_prefill:
             rows_t = host_to_device(rows, dev)
-            starts = msg["starts"].astype(np.int64)
-            lens = msg["extend_lens"].astype(np.int64)
+            starts = np.asarray(msg.starts, dtype=np.int64)
+            lens = np.asarray(msg.extend_lens, dtype=np.int64)
             prefill_rows, decode_rows = rows[: len(starts)], rows[len(starts):]
             num_prompt = int(lens.sum())
             row_of_token, positions, tokens = stack_to_device(
                 [np.concatenate([np.repeat(prefill_rows, lens), decode_rows]),
                  np.concatenate([_ranges(starts, lens), self.row_len[decode_rows]]),
-                 np.concatenate([msg["tokens"], np.zeros(len(decode_rows), np.int64)])], dev)
+                 np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
+                                 np.zeros(len(decode_rows), np.int64)])], dev)
             prompt_tokens = tokens[:num_prompt].to(torch.int32)
             self.token_pool[row_of_token[:num_prompt], positions[:num_prompt]] = prompt_tokens
             # Decode rows riding along: their input is the token sampled for them last.
@@ -282,10 +304,11 @@ class Engine:
         """The rows' sampling parameters on the device. `positions` (device) are those of the
         tokens being sampled; on the host they are the rows' new lengths."""
         dev = self.device
-        uniform = seeded_uniform_host(self.seed[rows], self.row_len[rows])
+        p = self.row_params
+        uniform = seeded_uniform_host(p["seed"][rows], self.row_len[rows])
         temperature, top_p, uniform = stack_to_device(
-            [self.temperature[rows], self.top_p[rows], uniform], dev, torch.float64)
-        top_k, seed = stack_to_device([self.top_k[rows], self.seed[rows]], dev)
+            [p["temperature"][rows], p["top_p"][rows], uniform], dev, torch.float64)
+        top_k, seed = stack_to_device([p["top_k"][rows], p["seed"][rows]], dev)
         return SamplingTensors(
             temperature=temperature.float(), top_k=top_k, top_p=top_p.float(), seed=seed,
             position=positions, uniform=uniform,

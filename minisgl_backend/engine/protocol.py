@@ -3,14 +3,17 @@
 A message is a kind byte followed by named numpy arrays; a decode step for 256 requests is about
 a kilobyte. Only what changed travels: rows in the batch, prompt tokens never sent before, page
 ids newly added to a row, and sampling settings when a request is admitted to a row.
+TOKENS replies are `StepReply`s.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
+
+from minisgl_backend.core import ROW_DTYPES
 
 # Message kinds, scheduler -> engine. With overlap on, the engine answers a STEP with the tokens
 # of the step before it (the new one is already running); FLUSH asks for the last step's tokens.
@@ -48,62 +51,124 @@ def decode(data: bytes) -> tuple[int, dict[str, np.ndarray]]:
     return kind, arrays
 
 
-def _i32(values: list[int]) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32)
+def _array(dtype: str):  # noqa: ANN202 - a dataclass field
+    return field(default_factory=list, metadata={"dtype": dtype})
+
+
+Values = list | np.ndarray  # lists when built by the scheduler, numpy arrays once decoded
 
 
 @dataclass
 class StepMessage:
-    """One forward step. Arrays are per request in batch order unless noted.
+    """One forward step, the same typed object on both ends (`to_bytes` / `from_bytes`).
+    Arrays are per request in batch order unless noted; empty ones are not sent.
 
     A prefill step may end with decode rows ("mixed" steps): `rows` beyond the first
     `len(starts)` each compute one token, the one the engine sampled last for that row (taken
     from its token pool, like a decode step's)."""
 
     is_prefill: bool
-    rows: list[int]
+    rows: Values = _array("int32")
     # Prefill only, for its prefill rows: first position computed this step and number of
     # tokens computed.
-    starts: list[int] = field(default_factory=list)
-    extend_lens: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # prefill: the prompt tokens computed
+    starts: Values = _array("int32")
+    extend_lens: Values = _array("int32")
+    tokens: Values = _array("int32")  # prefill: the prompt tokens computed
     # Pages appended to rows, only for rows that get any: row, count, and the flat page ids.
-    page_rows: list[int] = field(default_factory=list)
-    page_counts: list[int] = field(default_factory=list)
-    new_pages: list[int] = field(default_factory=list)
-    # Admissions (a row starts a new request): per admitted row, its sampling settings.
-    admit_rows: list[int] = field(default_factory=list)
-    admit_temperature: list[float] = field(default_factory=list)
-    admit_top_k: list[int] = field(default_factory=list)
-    admit_top_p: list[float] = field(default_factory=list)
-    admit_seed: list[int] = field(default_factory=list)  # int64 bit pattern of a uint64 seed
+    page_rows: Values = _array("int32")
+    page_counts: Values = _array("int32")
+    new_pages: Values = _array("int32")
+    # Admissions (a row starts a new request): the rows, and per admitted row each per-row
+    # control of SamplingParams (`core.ROW_DTYPES`: name -> values), sent as `admit_<name>`.
+    admit_rows: Values = _array("int32")
+    admit: dict[str, Values] = field(default_factory=dict)
+    # Admitted rows whose whole prompt the engine needs (repetition penalty, bad-word prefixes
+    # that may reach into a cached prefix): row, prompt length, the flat prompt tokens.
+    prompt_rows: Values = _array("int32")
+    prompt_counts: Values = _array("int32")
+    prompt_tokens: Values = _array("int32")
+    # logit_bias of admitted rows: row, entries, flat token ids and values.
+    bias_rows: Values = _array("int32")
+    bias_counts: Values = _array("int32")
+    bias_ids: Values = _array("int32")
+    bias_values: Values = _array("float32")
+    # Bad-word sequences of admitted rows, one entry per sequence: row, length, flat tokens.
+    ban_rows: Values = _array("int32")
+    ban_lens: Values = _array("int32")
+    ban_tokens: Values = _array("int32")
     # Requests with min_tokens: row, position before which stop ids are masked, and the ids.
-    min_rows: list[int] = field(default_factory=list)
-    min_lens: list[int] = field(default_factory=list)
-    min_stop_counts: list[int] = field(default_factory=list)
-    min_stop_ids: list[int] = field(default_factory=list)
+    min_rows: Values = _array("int32")
+    min_lens: Values = _array("int32")
+    min_stop_counts: Values = _array("int32")
+    min_stop_ids: Values = _array("int32")
 
     def to_bytes(self) -> bytes:
-        arrays = {
-            "is_prefill": np.asarray([self.is_prefill], dtype=np.uint8),
-            "rows": _i32(self.rows),
-            "page_rows": _i32(self.page_rows),
-            "page_counts": _i32(self.page_counts),
-            "new_pages": _i32(self.new_pages),
-        }
-        if self.is_prefill:
-            arrays.update(starts=_i32(self.starts), extend_lens=_i32(self.extend_lens),
-                          tokens=_i32(self.tokens))
-        if self.admit_rows:
-            arrays.update(
-                admit_rows=_i32(self.admit_rows),
-                admit_temperature=np.asarray(self.admit_temperature, dtype=np.float32),
-                admit_top_k=_i32(self.admit_top_k),
-                admit_top_p=np.asarray(self.admit_top_p, dtype=np.float32),
-                admit_seed=np.asarray(self.admit_seed, dtype=np.int64),
-            )
-        if self.min_rows:
-            arrays.update(min_rows=_i32(self.min_rows), min_lens=_i32(self.min_lens),
-                          min_stop_counts=_i32(self.min_stop_counts),
-                          min_stop_ids=_i32(self.min_stop_ids))
+        arrays = {"is_prefill": np.asarray([self.is_prefill], dtype=np.uint8)}
+        for f in _ARRAY_FIELDS:
+            values = getattr(self, f.name)
+            if len(values) or f.name in _ALWAYS_SENT:
+                arrays[f.name] = np.asarray(values, dtype=f.metadata["dtype"])
+        for name, values in self.admit.items():
+            arrays[_ADMIT_PREFIX + name] = np.asarray(values, dtype=ROW_DTYPES[name])
         return encode(STEP, arrays)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepMessage:
+        kind, arrays = decode(data)
+        if kind != STEP:
+            raise ValueError(f"not a step message (kind {kind})")
+        return cls.from_arrays(arrays)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StepMessage:
+        msg = cls(is_prefill=bool(arrays["is_prefill"][0]))
+        for f in _ARRAY_FIELDS:
+            setattr(msg, f.name, arrays.get(f.name, np.zeros(0, dtype=f.metadata["dtype"])))
+        msg.admit = {name: arrays[_ADMIT_PREFIX + name] for name in ROW_DTYPES
+                     if _ADMIT_PREFIX + name in arrays}
+        return msg
+
+
+_ARRAY_FIELDS = [f for f in fields(StepMessage) if "dtype" in f.metadata]
+_ALWAYS_SENT = {"rows", "page_rows", "page_counts", "new_pages"}
+_ADMIT_PREFIX = "admit_"
+
+
+@dataclass
+class StepReply:
+    """What rank 0 answers a step with: the sampled token per request (batch order), and for
+    the requests that asked for log-probabilities (`lp_rows`: their batch indices) the sampled
+    token's log-probability and the `top` most likely tokens with theirs (row-major)."""
+
+    tokens: np.ndarray  # int32 [bs]
+    lp_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    lp_token: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    top_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @property
+    def top(self) -> int:
+        """Alternatives per row in `top_ids` (the most any row of the step asked for)."""
+        return len(self.top_ids) // len(self.lp_rows) if len(self.lp_rows) else 0
+
+    def to_bytes(self) -> bytes:
+        arrays = {"tokens": np.asarray(self.tokens, dtype=np.int32)}
+        if len(self.lp_rows):
+            arrays.update(lp_rows=np.asarray(self.lp_rows, dtype=np.int32),
+                          lp_token=np.asarray(self.lp_token, dtype=np.float32),
+                          top_ids=np.asarray(self.top_ids, dtype=np.int32).reshape(-1),
+                          top_logprobs=np.asarray(self.top_logprobs,
+                                                  dtype=np.float32).reshape(-1))
+        return encode(TOKENS, arrays)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StepReply:
+        return cls(**arrays)
+
+    def logprobs_of(self) -> dict[int, tuple[float, list[int], list[float]]]:
+        """batch index -> (token log-probability, top ids, top log-probabilities)."""
+        top = self.top
+        ids = self.top_ids.reshape(-1, top).tolist() if top else [[]] * len(self.lp_rows)
+        vals = self.top_logprobs.reshape(-1, top).tolist() if top else [[]] * len(self.lp_rows)
+        return {int(r): (float(t), i, v)
+                for r, t, i, v in zip(self.lp_rows, self.lp_token, ids, vals)}

@@ -70,9 +70,9 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
     pending: StepHandle | None = None
 
     def answer(handle: StepHandle) -> None:
-        tokens = handle.wait()
+        step_reply = handle.wait()
         if reply:
-            conn.send_bytes(protocol.encode(protocol.TOKENS, {"tokens": tokens}))
+            conn.send_bytes(step_reply.to_bytes())
 
     while True:
         asked = time.perf_counter()
@@ -84,7 +84,8 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
                 answer(pending)
                 pending = None
             continue
-        handle = engine.launch(arrays, waited=time.perf_counter() - asked)
+        handle = engine.launch(protocol.StepMessage.from_arrays(arrays),
+                               waited=time.perf_counter() - asked)
         if not overlap:
             answer(handle)
             continue

@@ -13,7 +13,6 @@ import tempfile
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-import numpy as np
 
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.config import EngineConfig
@@ -75,9 +74,10 @@ class EngineClient:
         """With overlap on: ask for the tokens of the last step sent (no new step follows)."""
         self.send(protocol.encode(protocol.FLUSH, {}))
 
-    def receive_tokens(self, timeout: float | None = None) -> np.ndarray:
-        """The tokens sampled by the oldest step not yet received (from rank 0)."""
-        return self._receive(self._conns[0], protocol.TOKENS, timeout)["tokens"]
+    def receive_step(self, timeout: float | None = None) -> protocol.StepReply:
+        """What the oldest step not yet received sampled (from rank 0)."""
+        return protocol.StepReply.from_arrays(
+            self._receive(self._conns[0], protocol.TOKENS, timeout))
 
     def _receive(self, conn: Connection, expected: int, timeout: float | None) -> dict:
         self._check_alive()

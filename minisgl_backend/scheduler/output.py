@@ -22,6 +22,11 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # the sample number, among the request's `n`
+    # With SamplingParams.logprobs: per token of `token_ids`, its log-probability and the most
+    # likely tokens with theirs.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -35,8 +40,12 @@ def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
         return list(deltas)
     if deltas[-1].error is not None:
         return [*merge_deltas(deltas[:-1]), deltas[-1]]
-    return [replace(deltas[-1], token_ids=[t for d in deltas for t in d.token_ids],
-                    text="".join(d.text for d in deltas))]
+    merged = replace(deltas[-1], token_ids=[t for d in deltas for t in d.token_ids],
+                     text="".join(d.text for d in deltas))
+    if deltas[-1].logprobs is not None:
+        merged.logprobs = [x for d in deltas for x in d.logprobs or ()]
+        merged.top_logprobs = [x for d in deltas for x in d.top_logprobs or ()]
+    return [merged]
 
 
 class OutputTracker:
@@ -51,11 +60,15 @@ class OutputTracker:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input_ids[: req.prompt_len])
                             if tokenizer is not None else None)
         self.matcher = StopStringMatcher(params.stop or ())
+        self._logprobs: tuple[float, list[int], list[float]] | None = None
 
-    def add_token(self, token: int) -> bool:
-        """Record a sampled token, emit the delta; return True if the request is finished."""
+    def add_token(self, token: int,
+                  logprobs: tuple[float, list[int], list[float]] | None = None) -> bool:
+        """Record a sampled token (with its log-probability, top ids and theirs when the
+        request asked), emit the delta; return True if the request is finished."""
         req = self.req
         req.input_ids.append(token)
+        self._logprobs = logprobs
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
             self._emit([token], self._flush(), "stop")
             return True
@@ -80,11 +93,19 @@ class OutputTracker:
     def _emit(self, tokens: list[int], text: str, reason: str | None,
               error: str | None = None) -> None:
         req = self.req
-        self.callback(RequestOutput(
+        out = RequestOutput(
             uid=req.uid, token_ids=tokens, text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,
-            error=error,
-        ))
+            error=error, index=req.index,
+        )
+        top = req.sampling_params.logprobs
+        if top is not None:
+            out.logprobs, out.top_logprobs = [], []
+            if tokens and self._logprobs is not None:
+                token_lp, ids, values = self._logprobs
+                out.logprobs.append(token_lp)
+                out.top_logprobs.append(dict(zip(ids[:top], values[:top])))
+        self.callback(out)
 
     def fail(self, reason: str, message: str) -> None:
         """End the request without more tokens (aborted, or the engine failed)."""

@@ -2,7 +2,9 @@
 
 Requests wait in arrival order. A request is admitted only when a table row is free and the KV
 it could ever need (whole prompt + max_tokens, minus its cached prefix) fits beside what the
-running requests have reserved, so admitted requests can always finish. Each step computes at
+running requests have reserved, so admitted requests can always finish. The later samples of a
+request with n > 1 are held back (others pass them) until the first sample's prompt is computed
+and in the prefix cache, so that they share its KV instead of computing the prompt again. Each step computes at
 most `chunk_size` prompt tokens; a request cut by the budget continues first in the next step.
 """
 
@@ -25,10 +27,6 @@ class PrefillManager:
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt partly computed
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting) or self.chunked is not None
-
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
@@ -46,8 +44,12 @@ class PrefillManager:
         admitted: list[Req] = []
         reserved = sum(self._future_pages(r) for r in running)
         num_running = len(running)
+        held: list[Req] = []
         while budget > 0 and self.waiting and num_running < self.max_running:
             req = self.waiting[0]
+            if not _first_sample_cached(req):
+                held.append(self.waiting.popleft())
+                continue
             need = self._admit(req, reserved)
             if need is None:
                 break  # first come, first served: later requests wait behind this one
@@ -57,6 +59,7 @@ class PrefillManager:
             admitted.append(req)
             budget -= self._take_chunk(req, budget)
             batch.append(req)
+        self.waiting.extendleft(reversed(held))
         self.chunked = next((r for r in batch if not r.prompt_done), None)
         return batch, admitted
 
@@ -84,6 +87,10 @@ class PrefillManager:
         req.device_len = req.cached_len + size
         return size
 
+    @property
+    def has_work(self) -> bool:
+        return self.chunked is not None or any(_first_sample_cached(r) for r in self.waiting)
+
     def remove(self, req: Req) -> bool:
         """Drop a request that has not finished its prompt (aborted); True if it was here."""
         if self.chunked is req:
@@ -94,3 +101,9 @@ class PrefillManager:
         except ValueError:
             return False
         return True
+
+
+def _first_sample_cached(req: Req) -> bool:
+    """False while `req` is a later sample whose first sample has not finished its prompt."""
+    first = req.wait_for
+    return first is None or first.cached_len >= first.prompt_len

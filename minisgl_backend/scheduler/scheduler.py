@@ -21,9 +21,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_backend.core import Req, SamplingParams
+from minisgl_backend.core import Req, SamplingParams, check_token_ids, sample_seed
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.engine.protocol import StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
@@ -70,7 +70,7 @@ class _SentStep:
 
 @dataclass
 class _Submit:
-    req: Req
+    reqs: list[Req]  # the request's samples (`n` of them)
     callback: OutputCallback
 
 
@@ -119,6 +119,7 @@ class Scheduler:
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
+        self.group_size: dict[int, int] = {}  # uid of sample 0 -> n, for requests with n > 1
         self.num_steps = 0
         self.peak_running = 0  # most requests admitted at once so far
         self._dead: str | None = None
@@ -138,8 +139,11 @@ class Scheduler:
         the model's context, capped by the KV pool)."""
         return self.engine.max_seq_len
 
-    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raise ValueError (naming the field) if the request can never run."""
+    def check_request(self, prompt_ids: list[int],
+                      params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Raise ValueError (naming the field) if the request can never run; else return its
+        banned token sequences (`bad_token_ids` and the tokenized `bad_words`)."""
+        prompt_len = len(prompt_ids)
         if prompt_len < 1:
             raise ValueError("prompt must contain at least one token")
         limit = self.max_request_tokens
@@ -150,41 +154,67 @@ class Scheduler:
                 f"max_tokens ({params.max_tokens}) + prompt tokens ({prompt_len}) exceeds the "
                 f"limit of {limit} tokens per request"
             )
+        bans = self._banned_sequences(params)
+        self._check_token_ids(prompt_ids, params, bans)
+        return bans
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                callback: OutputCallback) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
-        An invalid request, a dead engine or a scheduler that was shut down ends the request
-        through `callback` with an error. Uids follow the order requests are queued in.
+        A request with `params.n` samples runs as n requests with uids `uid .. uid + n - 1`,
+        outputs told apart by `RequestOutput.index`; sample i's seed is
+        `sample_seed(seed, i)`, and samples after the first are admitted once the first one's
+        prompt is in the prefix cache (the prompt is computed once). An invalid request, a dead
+        engine or a scheduler that was shut down ends every sample through `callback` with an
+        error. Uids follow the order requests are queued in. `abort(uid)` ends all samples.
         """
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         with self._uid_lock:  # queued under the lock: nothing is queued after shutdown's None
-            uid, self._next_uid = self._next_uid, self._next_uid + 1
-            req = Req(uid=uid, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
-                      sampling_params=params, seed=seed)
+            uid, self._next_uid = self._next_uid, self._next_uid + params.n
+            reqs = [Req(uid=uid + i, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
+                        sampling_params=params, seed=sample_seed(seed, i), index=i)
+                    for i in range(params.n)]
+            error, bans = None, ()
             try:
-                self.check_request(req.prompt_len, params)
-                error = self._check_token_ids(req.input_ids, params)
+                bans = self.check_request(reqs[0].input_ids, params)
             except ValueError as exc:
                 error = str(exc)
             if error is None and (self._shut_down or not self._thread.is_alive()):
                 error = "the engine was shut down" if self._shut_down else self.failure
             if error is None:
-                self._inbox.put(_Submit(req, callback))
+                for req in reqs:
+                    req.bans, req.wait_for = bans, (reqs[0] if req.index else None)
+                self._inbox.put(_Submit(reqs, callback))
                 return uid
-        callback(RequestOutput(uid, [], "", True, "error", req.prompt_len, 0, error))
+        for req in reqs:
+            callback(RequestOutput(req.uid, [], "", True, "error", req.prompt_len, 0, error,
+                                   index=req.index))
         return uid
 
-    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
-        """The engine indexes its embedding with prompt ids and its logits with stop ids (for
-        min_tokens): an id outside the vocabulary would fail the engine for every request."""
+    def _banned_sequences(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """`bad_token_ids` and every `bad_words` string tokenized as it is and with a leading
+        space (how a word usually appears mid-text), without duplicates."""
+        seqs = list(params.bad_token_ids)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer in the model folder")
+        for word in params.bad_words:
+            for text in dict.fromkeys([word, word if word.startswith(" ") else " " + word]):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids:
+                    seqs.append(tuple(ids))
+        return tuple(dict.fromkeys(seqs))
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams,
+                         bans: tuple[tuple[int, ...], ...]) -> None:
+        """The engine indexes its embedding with prompt ids and its logits with stop ids,
+        banned and biased ids: an id outside the vocabulary would fail the engine for every
+        request."""
         vocab = self.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            return f"prompt token ids must be in [0, {vocab})"
-        if any(t >= vocab for t in params.stop_token_ids):
-            return f"stop_token_ids must be below the vocabulary size {vocab}"
-        return None
+        check_token_ids("prompt", prompt_ids, vocab)
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+        check_token_ids("bad_token_ids", (t for seq in bans for t in seq), vocab)
+        check_token_ids("logit_bias", params.logit_bias or {}, vocab)
 
     def abort(self, uid: int) -> None:
         self._inbox.put(_Abort(uid))
@@ -265,14 +295,23 @@ class Scheduler:
         return True
 
     def _accept(self, item: _Submit) -> None:
-        tracker = OutputTracker(item.req, self.tokenizer, self.eos_ids, item.callback)
+        trackers = [OutputTracker(req, self.tokenizer, self.eos_ids, item.callback)
+                    for req in item.reqs]
         if self._dead is not None:
-            tracker.fail("error", f"the engine is not running: {self._dead}")
+            for tracker in trackers:
+                tracker.fail("error", f"the engine is not running: {self._dead}")
             return
-        self.trackers[item.req.uid] = tracker
-        self.prefill.add(item.req)
+        if len(item.reqs) > 1:
+            self.group_size[item.reqs[0].uid] = len(item.reqs)
+        for req, tracker in zip(item.reqs, trackers):
+            self.trackers[req.uid] = tracker
+            self.prefill.add(req)
 
     def _abort(self, uid: int) -> None:
+        for member in range(uid, uid + self.group_size.pop(uid, 1)):
+            self._abort_one(member)
+
+    def _abort_one(self, uid: int) -> None:
         tracker = self.trackers.pop(uid, None)
         if tracker is None:
             return  # already finished
@@ -318,8 +357,7 @@ class Scheduler:
     def _read_tokens(self, sent: _SentStep | None) -> None:
         if sent is None:
             return
-        tokens = self.engine.receive_tokens(self.config.step_timeout).tolist()
-        self._process(sent, tokens)
+        self._process(sent, self.engine.receive_step(self.config.step_timeout))
         if self.config.debug_checks:
             self.cache.check_accounting(self._running())
 
@@ -356,30 +394,52 @@ class Scheduler:
                 msg.extend_lens.append(req.extend_len)
                 msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
         for req in admitted:
-            p = req.sampling_params
-            msg.admit_rows.append(req.table_idx)
-            msg.admit_temperature.append(0.0 if p.is_greedy else p.temperature)
-            msg.admit_top_k.append(p.top_k)
-            msg.admit_top_p.append(p.top_p)
-            msg.admit_seed.append(seed_to_int64(req.seed))
-            if p.min_tokens > 0:
-                stop_ids = sorted(self.trackers[req.uid].stop_ids)
-                msg.min_rows.append(req.table_idx)
-                msg.min_lens.append(req.prompt_len + p.min_tokens)
-                msg.min_stop_counts.append(len(stop_ids))
-                msg.min_stop_ids.extend(stop_ids)
+            self._admission(msg, req)
         return msg
 
-    def _process(self, sent: _SentStep, tokens: list[int]) -> None:
-        for req, counts, token in zip(sent.batch, sent.counts, tokens):
+    def _admission(self, msg: StepMessage, req: Req) -> None:
+        """What the engine needs of a newly admitted request: its per-row controls, and its
+        prompt, bias entries and bad-word sequences where it uses them."""
+        p, row = req.sampling_params, req.table_idx
+        msg.admit_rows.append(row)
+        for name, value in p.row_values(seed_to_int64(req.seed)).items():
+            msg.admit.setdefault(name, []).append(value)
+        if p.uses_penalties or any(len(seq) > 1 for seq in req.bans):
+            msg.prompt_rows.append(row)
+            msg.prompt_counts.append(req.prompt_len)
+            msg.prompt_tokens.extend(req.input_ids[: req.prompt_len])
+        if p.logit_bias:
+            msg.bias_rows.append(row)
+            msg.bias_counts.append(len(p.logit_bias))
+            msg.bias_ids.extend(p.logit_bias)
+            msg.bias_values.extend(p.logit_bias.values())
+        for seq in req.bans:
+            msg.ban_rows.append(row)
+            msg.ban_lens.append(len(seq))
+            msg.ban_tokens.extend(seq)
+        if p.min_tokens > 0:
+            stop_ids = sorted(self.trackers[req.uid].stop_ids)
+            msg.min_rows.append(row)
+            msg.min_lens.append(req.prompt_len + p.min_tokens)
+            msg.min_stop_counts.append(len(stop_ids))
+            msg.min_stop_ids.extend(stop_ids)
+
+    def _process(self, sent: _SentStep, reply: StepReply) -> None:
+        logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}
+        for i, (req, counts, token) in enumerate(zip(sent.batch, sent.counts,
+                                                     reply.tokens.tolist())):
             tracker = self.trackers.get(req.uid)
             if not counts or tracker is None or req.table_idx < 0:
                 continue  # a prompt chunk, or a request that ended after this step was sent
-            if tracker.add_token(token):
+            if tracker.add_token(token, logprobs.get(i)):
                 self._finish(req)
 
     def _finish(self, req: Req) -> None:
         del self.trackers[req.uid]
+        first = req.uid - req.index
+        if first in self.group_size and not any(
+                u in self.trackers for u in range(first, first + self.group_size[first])):
+            del self.group_size[first]
         self.decode.remove(req)
         self.cache.release(req, cache=True)
         self.rows.free(req.table_idx)

@@ -103,7 +103,7 @@ class TritonPythonModel:
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
                                           self.llm.tokenizer, self.limits, self.llm.vocab_size)
-            self.scheduler.check_request(len(parsed.prompt_ids), parsed.params)
+            self.scheduler.check_request(parsed.prompt_ids, parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                         flags=FINAL)

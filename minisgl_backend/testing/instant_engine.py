@@ -42,8 +42,8 @@ class InstantEngine:
     def flush(self) -> None:
         pass
 
-    def receive_tokens(self, timeout: float | None = None) -> np.ndarray:
-        return np.full(self._pending.popleft(), self.token, dtype=np.int32)
+    def receive_step(self, timeout: float | None = None) -> protocol.StepReply:
+        return protocol.StepReply(np.full(self._pending.popleft(), self.token, dtype=np.int32))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._pending.clear()

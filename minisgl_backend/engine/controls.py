@@ -1,0 +1,298 @@
+"""Per-row sampling controls of an engine: penalties, logit bias, bad words, min_p and
+log-probabilities, applied on the device between the forward and sampling.
+
+Each table row has its request's settings (host arrays, written on admission) and the state the
+controls need on the device, next to the token pool: generated-token counts and a prompt-token
+mask (penalties), a padded table of bias entries and one of bad-word sequences. The device
+state is allocated on first use and updated from the sampled tokens on the device, so overlap
+scheduling needs nothing back from the scheduler. A step in which no row uses a control runs
+none of its code: each control checks one host flag per row first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES
+from minisgl_backend.device_copy import host_to_device
+from minisgl_backend.engine.protocol import StepMessage
+
+
+class RowParams:
+    """Every per-row control of `SamplingParams` (`core.ROW_DTYPES`) as a host array per name,
+    one entry per table row; rows hold the defaults until a request is admitted to them."""
+
+    def __init__(self, num_rows: int) -> None:
+        defaults = {name: -1 if default is None else default
+                    for name, (_, default) in ROW_CONTROLS.items()}
+        defaults["seed"] = 0
+        self.defaults = defaults
+        self.arrays = {name: np.full(num_rows, defaults[name], dtype=_host_dtype(dtype))
+                       for name, dtype in ROW_DTYPES.items()}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    def admit(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Rows start new requests: each control takes the sent value (or its default)."""
+        for name, array in self.arrays.items():
+            array[rows] = values[name] if name in values else self.defaults[name]
+
+
+def _host_dtype(dtype: str) -> type:
+    return np.float64 if dtype.startswith("float") else np.int64
+
+
+@dataclass
+class LogprobReport:
+    """Device tensors of one step's log-probabilities, for the rows that asked (batch order)."""
+
+    batch_rows: np.ndarray  # [m] on cpu: batch indices of the rows
+    token: torch.Tensor  # [m] float32: log-probability of the sampled token
+    top_ids: torch.Tensor  # [m, top] int64
+    top_logprobs: torch.Tensor  # [m, top] float32
+
+
+class LogitControls:
+    """The controls of one engine. `apply` edits a step's logits in place before sampling;
+    `record` updates the penalty counts from the sampled tokens."""
+
+    def __init__(self, params: RowParams, num_rows: int, vocab_size: int,
+                 token_pool: torch.Tensor) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        self.token_pool = token_pool  # [rows, max_seq_len + 1] int32, the engine's
+        self.device = token_pool.device
+        self.prompt_len = np.zeros(num_rows, dtype=np.int64)
+        # Which rows use which control (host flags: a step checks these before any device work).
+        self.penalized = np.zeros(num_rows, dtype=bool)
+        self.biased = np.zeros(num_rows, dtype=bool)
+        self.banned = np.zeros(num_rows, dtype=bool)
+        self.min_p_rows = np.zeros(num_rows, dtype=bool)
+        self.num_rows = num_rows
+        # Device state, allocated on first use.
+        self.counts: torch.Tensor | None = None  # [rows, vocab] int32: tokens generated
+        self.in_prompt: torch.Tensor | None = None  # [rows, vocab] bool: tokens of the prompt
+        self.bias_ids: torch.Tensor | None = None  # [rows, width] int64 (padding: 0 with 0.0)
+        self.bias_values: torch.Tensor | None = None  # [rows, width] float32
+        # [rows, sequences, length] int64: bad-word sequences right-aligned (the banned token
+        # last), -1 where a shorter sequence has no token; a row's unused sequences are all -1.
+        self.ban_tokens: torch.Tensor | None = None
+
+    # ----- admission ---------------------------------------------------------------------
+
+    def admit(self, msg: StepMessage) -> None:
+        """Rows of `msg.admit_rows` start new requests: set their flags and device state."""
+        rows = np.asarray(msg.admit_rows, dtype=np.int64)
+        p = self.params
+        self.penalized[rows] = ((p["repetition_penalty"][rows] != 1.0)
+                                | (p["presence_penalty"][rows] != 0.0)
+                                | (p["frequency_penalty"][rows] != 0.0))
+        self.min_p_rows[rows] = (p["min_p"][rows] > 0) & (p["temperature"][rows] > 0)
+        was_biased, was_banned = self.biased[rows].copy(), self.banned[rows].copy()
+        self.biased[rows] = False
+        self.banned[rows] = False
+        if self.penalized[rows].any():
+            self._reset_penalty_state(rows[self.penalized[rows]])
+        if len(msg.prompt_rows):
+            self._take_prompts(msg)
+        if was_biased.any():
+            self._clear(self.bias_ids, rows[was_biased], 0)
+            self._clear(self.bias_values, rows[was_biased], 0)
+        if len(msg.bias_rows):
+            self._take_biases(msg)
+        if was_banned.any():
+            self._clear(self.ban_tokens, rows[was_banned], -1)
+        if len(msg.ban_rows):
+            self._take_bans(msg)
+
+    def _clear(self, table: torch.Tensor | None, rows: np.ndarray, value: int) -> None:
+        if table is not None:
+            table[host_to_device(rows, self.device)] = value
+
+    def _reset_penalty_state(self, rows: np.ndarray) -> None:
+        if self.counts is None:
+            shape = (self.num_rows, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.in_prompt = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        rows_t = host_to_device(rows, self.device)
+        self.counts[rows_t] = 0
+        self.in_prompt[rows_t] = False
+
+    def _take_prompts(self, msg: StepMessage) -> None:
+        """Whole prompts of rows that need them: into the token pool (bad-word prefixes may
+        reach into a cached prefix, which no step sends) and the prompt mask (penalties)."""
+        rows = np.asarray(msg.prompt_rows, dtype=np.int64)
+        counts = np.asarray(msg.prompt_counts, dtype=np.int64)
+        self.prompt_len[rows] = counts
+        row_of = np.repeat(rows, counts)
+        positions = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+        tokens = host_to_device(np.asarray(msg.prompt_tokens, dtype=np.int64), self.device)
+        row_t = host_to_device(row_of, self.device)
+        self.token_pool[row_t, host_to_device(positions, self.device)] = tokens.to(torch.int32)
+        penalized = self.penalized[row_of]
+        if penalized.any():
+            keep = host_to_device(np.nonzero(penalized)[0], self.device)
+            self.in_prompt[row_t[keep], tokens[keep]] = True
+
+    def _take_biases(self, msg: StepMessage) -> None:
+        rows = np.asarray(msg.bias_rows, dtype=np.int64)
+        counts = np.asarray(msg.bias_counts, dtype=np.int64)
+        width = int(counts.max())
+        if self.bias_ids is None or self.bias_ids.shape[1] < width:
+            self.bias_ids = _widen(self.bias_ids, (self.num_rows, _pow2(width)), 0, self.device)
+            self.bias_values = _widen(self.bias_values, (self.num_rows, _pow2(width)), 0,
+                                      self.device, torch.float32)
+        cols = np.arange(len(msg.bias_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_t, col_t, ids_t = (host_to_device(a, self.device) for a in (
+            np.repeat(rows, counts), cols, np.asarray(msg.bias_ids, dtype=np.int64)))
+        self.bias_ids[row_t, col_t] = ids_t
+        self.bias_values[row_t, col_t] = torch.as_tensor(
+            np.asarray(msg.bias_values, dtype=np.float32)).to(self.device)
+        self.biased[rows] = True
+
+    def _take_bans(self, msg: StepMessage) -> None:
+        rows = np.asarray(msg.ban_rows, dtype=np.int64)
+        lens = np.asarray(msg.ban_lens, dtype=np.int64)
+        # Sequence slot of each sequence within its row (rows arrive grouped).
+        first = np.r_[True, rows[1:] != rows[:-1]]
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(rows)), 0))
+        slot = np.arange(len(rows)) - group_start
+        shape = (self.num_rows, _pow2(int(slot.max()) + 1), _pow2(int(lens.max())))
+        if self.ban_tokens is None or any(a < b for a, b in zip(self.ban_tokens.shape, shape)):
+            old = self.ban_tokens
+            shape = tuple(max(a, b) for a, b in zip(shape, old.shape if old is not None
+                                                    else shape))
+            self.ban_tokens = _widen(old, shape, -1, self.device)
+        length = self.ban_tokens.shape[2]
+        seq_of = np.repeat(np.arange(len(rows)), lens)
+        # Right-aligned: a sequence's last token goes in the last column.
+        col = length - np.repeat(lens, lens) + (np.arange(len(seq_of))
+                                                 - np.repeat(np.cumsum(lens) - lens, lens))
+        idx = [host_to_device(a, self.device) for a in (rows[seq_of], slot[seq_of], col)]
+        self.ban_tokens[idx[0], idx[1], idx[2]] = host_to_device(
+            np.asarray(msg.ban_tokens, dtype=np.int64), self.device)
+        self.banned[rows] = True
+
+    # ----- a step ------------------------------------------------------------------------
+
+    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[np.ndarray,
+                                                                           torch.Tensor] | None:
+        """Batch indices of the rows reporting log-probabilities and their log-softmax of the
+        raw logits (taken before any control changes them); None if no row asks."""
+        wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
+        if len(wanted) == 0:
+            return None
+        sel = logits if len(wanted) == len(rows) else logits[host_to_device(wanted,
+                                                                             logits.device)]
+        return wanted, torch.log_softmax(sel.float(), dim=-1)
+
+    def report(self, raw: tuple[np.ndarray, torch.Tensor], rows: np.ndarray,
+               tokens: torch.Tensor) -> LogprobReport:
+        """The sampled tokens' log-probabilities and the top alternatives of the rows in `raw`."""
+        wanted, logprobs = raw
+        sel_tokens = tokens if len(wanted) == len(rows) else tokens[
+            host_to_device(wanted, tokens.device)]
+        token_lp = logprobs.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
+        top = int(self.params["logprobs"][rows[wanted]].max())
+        top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0],
+                                                                   logprobs[:, :0].long())
+        return LogprobReport(wanted, token_lp, top_ids, top_lp)
+
+    def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
+              next_positions: torch.Tensor) -> None:
+        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order.
+        `next_positions` [bs] (device): positions of the tokens being sampled."""
+        penalized = self.penalized[rows]
+        if penalized.any():
+            self._penalize(logits, rows, penalized)
+        if self.biased[rows].any():
+            assert self.bias_ids is not None and self.bias_values is not None
+            logits.scatter_add_(1, self.bias_ids[rows_t],
+                                self.bias_values[rows_t].to(logits.dtype))
+        if self.banned[rows].any():
+            self._ban(logits, rows_t, next_positions)
+        min_p = self.min_p_rows[rows]
+        if min_p.any():
+            self._min_p(logits, rows, min_p)
+
+    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray) -> None:
+        assert self.counts is not None and self.in_prompt is not None
+        which = np.nonzero(penalized)[0]
+        p = self.params
+        sel_rows = rows[which]
+        factors = np.stack([p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
+                            p["frequency_penalty"][sel_rows]])
+        rep, presence, frequency = (t.unsqueeze(1) for t in torch.as_tensor(
+            factors, dtype=torch.float32).to(logits.device))
+        row_t = host_to_device(sel_rows, logits.device)
+        counts = self.counts[row_t]
+        seen = (counts > 0) | self.in_prompt[row_t]
+        whole = len(which) == len(rows)
+        idx = None if whole else host_to_device(which, logits.device)
+        sub = (logits if whole else logits[idx]).float()
+        # HF's repetition penalty: positive logits divided by it, negative ones multiplied.
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - frequency * counts - presence * (counts > 0)
+        if whole:
+            logits.copy_(sub)
+        else:
+            logits[idx] = sub.to(logits.dtype)
+
+    def _ban(self, logits: torch.Tensor, rows_t: torch.Tensor,
+             next_positions: torch.Tensor) -> None:
+        """Mask every sequence's last token where the tokens before it end the row so far."""
+        assert self.ban_tokens is not None
+        table = self.ban_tokens[rows_t]  # [bs, sequences, length]
+        length = table.shape[2]
+        last = table[:, :, -1]
+        hit = last >= 0
+        if length > 1:
+            pos = next_positions.unsqueeze(1) - (length - 1) + torch.arange(
+                length - 1, device=logits.device)
+            context = self.token_pool[rows_t.unsqueeze(1), pos.clamp(min=0)].long()
+            context = torch.where(pos >= 0, context, -2)  # before the start: matches nothing
+            prefix = table[:, :, :-1]
+            hit &= ((prefix == context.unsqueeze(1)) | (prefix < 0)).all(dim=-1)
+        penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
+        logits.scatter_add_(1, last.clamp(min=0), penalty)
+
+    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray) -> None:
+        """Drop tokens whose probability at the row's temperature is below min_p times the
+        top one's: logit < max + temperature * log(min_p)."""
+        which = np.nonzero(which_mask)[0]
+        sel_rows = rows[which]
+        offset = self.params["temperature"][sel_rows] * np.log(self.params["min_p"][sel_rows])
+        offset_t = torch.as_tensor(offset, dtype=torch.float32).to(logits.device).unsqueeze(1)
+        idx = host_to_device(which, logits.device)
+        sub = logits[idx]
+        floor = sub.float().amax(dim=-1, keepdim=True) + offset_t
+        logits[idx] = sub.masked_fill(sub.float() < floor, float("-inf"))
+
+    def record(self, rows: np.ndarray, rows_t: torch.Tensor, tokens: torch.Tensor,
+               seq_lens: np.ndarray) -> None:
+        """Count the sampled tokens of penalized rows that are past their prompt (a prompt
+        chunk's sample is not an output token)."""
+        counted = self.penalized[rows] & (seq_lens >= self.prompt_len[rows])
+        if not counted.any():
+            return
+        assert self.counts is not None
+        which = host_to_device(np.nonzero(counted)[0], tokens.device)
+        self.counts[rows_t[which], tokens[which].long()] += 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _widen(old: torch.Tensor | None, shape: tuple[int, ...], fill: int,
+           device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A tensor of `shape` filled with `fill`, holding `old` in its leading corner."""
+    new = torch.full(shape, fill, dtype=dtype, device=device)
+    if old is not None:
+        new[tuple(slice(0, n) for n in old.shape)] = old
+    return new
