@@ -151,8 +151,8 @@ class LogitControls:
         row_t, col_t, ids_t = (host_to_device(a, self.device) for a in (
             np.repeat(rows, counts), cols, np.asarray(msg.bias_ids, dtype=np.int64)))
         self.bias_ids[row_t, col_t] = ids_t
-        self.bias_values[row_t, col_t] = torch.as_tensor(
-            np.asarray(msg.bias_values, dtype=np.float32)).to(self.device)
+        self.bias_values[row_t, col_t] = host_to_device(msg.bias_values, self.device,
+                                                        torch.float32)
         self.biased[rows] = True
 
     def _take_bans(self, msg: StepMessage) -> None:
@@ -227,8 +227,8 @@ class LogitControls:
         sel_rows = rows[which]
         factors = np.stack([p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
                             p["frequency_penalty"][sel_rows]])
-        rep, presence, frequency = (t.unsqueeze(1) for t in torch.as_tensor(
-            factors, dtype=torch.float32).to(logits.device))
+        rep, presence, frequency = (t.unsqueeze(1) for t in host_to_device(
+            factors, logits.device, torch.float32))
         row_t = host_to_device(sel_rows, logits.device)
         counts = self.counts[row_t]
         seen = (counts > 0) | self.in_prompt[row_t]
@@ -267,7 +267,7 @@ class LogitControls:
         which = np.nonzero(which_mask)[0]
         sel_rows = rows[which]
         offset = self.params["temperature"][sel_rows] * np.log(self.params["min_p"][sel_rows])
-        offset_t = torch.as_tensor(offset, dtype=torch.float32).to(logits.device).unsqueeze(1)
+        offset_t = host_to_device(offset, logits.device, torch.float32).unsqueeze(1)
         idx = host_to_device(which, logits.device)
         sub = logits[idx]
         floor = sub.float().amax(dim=-1, keepdim=True) + offset_t
