@@ -35,7 +35,7 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError("a non-empty string or a list of non-empty strings")
+        raise ValueError
     return tuple(stop)
 
 
@@ -43,7 +43,7 @@ def _normalize_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
-        raise ValueError("a list of non-negative integers")
+        raise ValueError
     return tuple(ids)
 
 
@@ -51,7 +51,7 @@ def _normalize_bad_words(words: object) -> tuple[str, ...]:
     if words is None:
         return ()
     if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
-        raise ValueError("a list of non-empty strings")
+        raise ValueError
     return tuple(words)
 
 
@@ -61,7 +61,7 @@ def _normalize_bad_token_ids(seqs: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(seqs, (list, tuple)) or not all(
             isinstance(s, (list, tuple)) and s and all(is_int(i) and i >= 0 for i in s)
             for s in seqs):
-        raise ValueError("a list of non-empty lists of non-negative integers")
+        raise ValueError
     return tuple(tuple(s) for s in seqs)
 
 
@@ -71,8 +71,7 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
             is_int(k) and k >= 0 and is_number(v) and math.isfinite(v) and -100 <= v <= 100
             for k, v in bias.items()):
-        raise ValueError(f"a dict of at most {MAX_LOGIT_BIAS} token ids (non-negative "
-                         f"integers) to numbers in [-100, 100]")
+        raise ValueError
     return {int(k): float(v) for k, v in bias.items()}
 
 
@@ -116,19 +115,24 @@ class SamplingParams:
         0.0, "float", "times its count in the output, subtracted from a token's logit (OpenAI)",
         low=-2, high=2, row_dtype="float32")
     logit_bias: dict[int, float] | None = spec_field(
-        None, "custom", "token id -> value added to its logit", normalize=_normalize_logit_bias)
+        None, "custom", "token id -> value added to its logit", normalize=_normalize_logit_bias,
+        accepts=f"a dict of at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
     bad_words: tuple[str, ...] | list[str] | None = spec_field(
         None, "custom", "strings whose tokens are never completed (also with a leading space)",
-        normalize=_normalize_bad_words)
+        normalize=_normalize_bad_words,
+        accepts="a list of non-empty strings")
     bad_token_ids: tuple[tuple[int, ...], ...] | list[list[int]] | None = spec_field(
         None, "custom", "token sequences whose last token is never sampled after the others",
-        normalize=_normalize_bad_token_ids)
+        normalize=_normalize_bad_token_ids,
+        accepts="a list of non-empty lists of token ids")
     ignore_eos: bool = spec_field(False, "bool", "keep generating after EOS")
     stop: tuple[str, ...] | list[str] | str | None = spec_field(
-        None, "custom", "stop strings (the text is cut before them)", normalize=_normalize_stop)
+        None, "custom", "stop strings (the text is cut before them)", normalize=_normalize_stop,
+        accepts="a non-empty string or a list of them")
     stop_token_ids: tuple[int, ...] | list[int] | None = spec_field(
         None, "custom", "token ids that end the request like EOS",
-        normalize=_normalize_token_ids)
+        normalize=_normalize_token_ids,
+        accepts="a list of token ids")
     min_tokens: int = spec_field(0, "int", "EOS and stop token ids cannot end the request "
                                  "before this many tokens", low=0, high="max_tokens")
     logprobs: int | None = spec_field(
@@ -185,12 +189,13 @@ ROW_DTYPES: dict[str, str] = {**{name: spec.row_dtype for name, (spec, _) in ROW
                               "seed": "int64"}
 
 
-def check_token_ids(name: str, ids: Iterable[int], vocab_size: int) -> None:
+def check_token_ids(name: str, ids: Iterable[int], vocab_size: int | None) -> None:
     """The one rule for token ids a request gives (prompt, stop ids, bans, biases): each in
-    [0, vocab_size), since the engine indexes its embedding and logits with them."""
+    [0, vocab_size), since the engine indexes its embedding and logits with them (a None
+    vocab_size, not known yet: non-negative)."""
     ids = list(ids)
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise ValueError(f"{name} has token ids outside [0, {vocab_size})")
+    if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size or 'vocab size'})")
 
 
 @dataclass(eq=False)

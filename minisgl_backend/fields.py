@@ -24,8 +24,8 @@ class Spec:
 
     `low` / `high` bound numbers (inclusive unless `low_open` / `high_open`); a string `high`
     names another field whose value is the bound. `also` lists values accepted outside the
-    range (top_k's -1). `normalize` replaces the checks for structured fields: it returns the
-    normalized value or raises ValueError with a message that starts with what is expected.
+    range (top_k's -1). `normalize` replaces the checks for structured ("custom") fields: it
+    returns the normalized value or raises ValueError; `accepts` says in words what it takes.
     `row_dtype` marks a scalar the engine keeps per table row, sent on admission.
     """
 
@@ -38,10 +38,13 @@ class Spec:
     nullable: bool = False
     also: tuple[Any, ...] = ()
     normalize: Callable[[Any], Any] | None = None
+    accepts: str = ""
     row_dtype: RowDtype | None = None
 
     def describe(self, bound: float | None = None) -> str:
         """The accepted values in words ("an integer in [0, 20]", "a number > 0")."""
+        if self.kind == "custom":
+            return self.accepts
         if self.kind == "bool":
             return "a bool"
         noun = "an integer" if self.kind == "int" else "a number"
@@ -63,6 +66,8 @@ class Spec:
 
 
 def _num(value: float | str) -> str:
+    if is_int(value) and value >= 1 << 32 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
@@ -92,8 +97,8 @@ def check_value(name: str, spec: Spec, value: Any, bound: float | None = None) -
     if spec.normalize is not None:
         try:
             return spec.normalize(value)
-        except ValueError as exc:
-            raise ValueError(f"{name} must be {exc}, got {value!r}") from None
+        except ValueError:
+            raise ValueError(f"{name} must be {spec.describe()}, got {value!r}") from None
     if value in spec.also and type(value) is type(spec.also[0]):
         return value
     if not _in_range(spec, value, bound):
@@ -122,3 +127,12 @@ def validate(instance: Any) -> None:
         bound = getattr(instance, spec.high) if isinstance(spec.high, str) else None
         value = check_value(name, spec, getattr(instance, name), bound)
         object.__setattr__(instance, name, value)
+
+
+def markdown_table(cls: type) -> str:
+    """The spec'd fields of `cls` as a README table: name, default, accepted values, meaning."""
+    lines = ["| field | default | accepted | meaning |", "|---|---|---|---|"]
+    for name, (spec, default) in specs_of(cls).items():
+        accepted = spec.describe()
+        lines.append(f"| `{name}` | `{default!r}` | {accepted} | {spec.doc} |")
+    return "\n".join(lines)

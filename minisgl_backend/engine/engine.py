@@ -81,6 +81,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class Engine:
     def __init__(self, config: EngineConfig, rank: int, init_file: str) -> None:
         self.config = config
+        self.reports = rank == 0  # only rank 0 answers steps (tokens, log-probabilities)
         device_type = config.device_type
         if device_type == "cuda":
             torch.cuda.set_device(rank)
@@ -210,7 +211,7 @@ class Engine:
             next_positions = batch.positions + 1
         else:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        raw_logprobs = self.controls.raw_logprobs(logits, rows)
+        raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
         self.controls.apply(logits, rows, batch.rows, next_positions)
         self._mask_early_stops(logits, rows, batch.seq_lens)
         if self.row_greedy[rows].all():

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minisgl_backend.core import SamplingParams
+from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
@@ -139,10 +139,12 @@ def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits, vocab_size: in
         raise RequestError("input_ids is empty (text_input must not be empty)")
     if ids.dtype.kind not in "iu":
         raise RequestError(f"input_ids must be integers, got dtype {ids.dtype}")
-    if ids.min() < 0 or (vocab_size and ids.max() >= vocab_size):
-        raise RequestError(f"input_ids must be token ids in [0, {vocab_size or 'vocab size'}), "
-                           f"got {int(ids.min())}..{int(ids.max())}")
-    return [int(t) for t in ids.reshape(-1)]
+    prompt = [int(t) for t in ids.reshape(-1)]
+    try:
+        check_token_ids("input_ids", prompt, vocab_size or None)
+    except ValueError as exc:
+        raise RequestError(f"{exc}: got {min(prompt)}..{max(prompt)}") from None
+    return prompt
 
 
 def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = None,

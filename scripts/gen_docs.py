@@ -1,0 +1,47 @@
+"""Rewrite the README tables that are generated from their one definition in the code.
+
+    python scripts/gen_docs.py          # rewrite README.md in place
+    python scripts/gen_docs.py --check  # exit 1 if README.md is out of date (tests run this)
+
+Each table sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from minisgl_backend.core import SamplingParams
+from minisgl_backend.fields import markdown_table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TABLES = {"sampling-params": lambda: markdown_table(SamplingParams)}
+
+
+def render(text: str) -> str:
+    """`text` with every generated block replaced by its current content."""
+    for name, make in TABLES.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- end:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no block for {name}")
+        text = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if README.md is stale")
+    args = parser.parse_args()
+    text = README.read_text()
+    fresh = render(text)
+    if args.check:
+        if fresh != text:
+            sys.exit("README.md is out of date: run python scripts/gen_docs.py")
+        return
+    README.write_text(fresh)
+
+
+if __name__ == "__main__":
+    main()
