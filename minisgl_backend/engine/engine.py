@@ -211,8 +211,11 @@ class Engine:
             next_positions = batch.positions + 1
         else:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
-        self.controls.apply(logits, rows, batch.rows, next_positions)
+        controlled = bool(self.controls.active[rows].any())  # one check when no row uses any
+        raw_logprobs = None
+        if controlled:
+            raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
+            self.controls.apply(logits, rows, batch.rows, next_positions)
         self._mask_early_stops(logits, rows, batch.seq_lens)
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
@@ -220,7 +223,8 @@ class Engine:
             next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
         next_tokens = next_tokens.to(torch.int32)
         self.token_pool[batch.rows, next_positions] = next_tokens
-        self.controls.record(rows, batch.rows, next_tokens, self.row_len[rows])
+        if controlled:
+            self.controls.record(rows, batch.rows, next_tokens, self.row_len[rows])
         report = (self.controls.report(raw_logprobs, rows, next_tokens)
                   if raw_logprobs is not None else None)
         host = None
