@@ -166,11 +166,13 @@ class LogitControls:
         group_start = np.maximum.accumulate(np.where(first, np.arange(len(rows)), 0))
         slot = np.arange(len(rows)) - group_start
         shape = (self.num_rows, _pow2(int(slot.max()) + 1), _pow2(int(lens.max())))
-        if self.ban_tokens is None or any(a < b for a, b in zip(self.ban_tokens.shape, shape)):
-            old = self.ban_tokens
+        old = self.ban_tokens
+        if old is None or any(a < b for a, b in zip(old.shape, shape)):
             shape = tuple(max(a, b) for a, b in zip(shape, old.shape if old is not None
                                                     else shape))
-            self.ban_tokens = _widen(old, shape, -1, self.device)
+            self.ban_tokens = torch.full(shape, -1, dtype=torch.int64, device=self.device)
+            if old is not None:  # running rows' sequences stay right-aligned
+                self.ban_tokens[:, : old.shape[1], shape[2] - old.shape[2]:] = old
         length = self.ban_tokens.shape[2]
         seq_of = np.repeat(np.arange(len(rows)), lens)
         # Right-aligned: a sequence's last token goes in the last column.
@@ -294,7 +296,8 @@ def _pow2(n: int) -> int:
 
 def _widen(old: torch.Tensor | None, shape: tuple[int, ...], fill: int,
            device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A tensor of `shape` filled with `fill`, holding `old` in its leading corner."""
+    """A tensor of `shape` filled with `fill`, holding `old` in its leading corner (rows keep
+    their entries; entries keep their column)."""
     new = torch.full(shape, fill, dtype=dtype, device=device)
     if old is not None:
         new[tuple(slice(0, n) for n in old.shape)] = old

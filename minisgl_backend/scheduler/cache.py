@@ -60,20 +60,32 @@ class CacheManager:
     def cache_prefix(self, req: Req) -> None:
         """Share the page-aligned computed prefix of a running request through the prefix cache.
 
-        Skipped when another request cached part of the same tokens meanwhile: this request's
-        row points at its own copies, which it must keep until it ends (freeing them would let
-        another request overwrite live KV), and locking the cache's copies as well would take
-        pages that admitted requests were promised. `release` caches the prefix instead.
+        When another request cached part of the same tokens meanwhile (two prompts with one
+        chat template admitted together, say), this request's row points at its own copies of
+        that part, which it keeps until it ends (freeing them would let another request
+        overwrite live KV); the rest is inserted after the cache's copies as long as those are
+        locked already (by the request that cached them). Were they evictable, locking them
+        would take pages that admitted requests were promised: then `release` caches the
+        prefix instead.
         """
         length = req.cached_len - req.cached_len % self.page_size
         if length <= req.cache_handle.cached_len:
             return
-        if self.prefix_cache.match(req.input_ids[:length]).cached_len > req.cache_handle.cached_len:
+        shared = self.prefix_cache.match(req.input_ids[:length])
+        if shared.cached_len > req.cache_handle.cached_len and not self._locked(shared.handle):
             return
         handle = self._insert(req, length)
         self.prefix_cache.lock(handle)
         self.prefix_cache.unlock(req.cache_handle)
         req.cache_handle = handle
+
+    def _locked(self, handle: CacheHandle) -> bool:
+        """Whether every page on the path to `handle` is locked (locking it takes nothing)."""
+        before = self.prefix_cache.evictable_pages
+        self.prefix_cache.lock(handle)
+        unchanged = self.prefix_cache.evictable_pages == before
+        self.prefix_cache.unlock(handle)
+        return unchanged
 
     def _insert(self, req: Req, length: int) -> CacheHandle:
         """Insert the first `length` tokens; the pages the cache takes leave `owned_pages`."""
