@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES
-from minisgl_backend.device_copy import host_to_device
+from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.layers.fast_ops import use_triton_kernels
 
 
 class RowParams:
@@ -230,23 +231,24 @@ class LogitControls:
         which = np.nonzero(penalized)[0]
         p = self.params
         sel_rows = rows[which]
-        factors = np.stack([p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
-                            p["frequency_penalty"][sel_rows]])
-        rep, presence, frequency = (t.unsqueeze(1) for t in host_to_device(
-            factors, logits.device, torch.float32))
-        row_t = host_to_device(sel_rows, logits.device)
+        rep, presence, frequency = host_to_device(np.stack(
+            [p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
+             p["frequency_penalty"][sel_rows]]), logits.device, torch.float32)
+        which_t, row_t = stack_to_device([which, sel_rows], logits.device)
+        if use_triton_kernels(logits) and logits.stride(1) == 1:
+            from kernels.penalties import apply_penalties
+
+            apply_penalties(logits, which_t, row_t, self.counts, self.in_prompt, rep, presence,
+                            frequency)
+            return
         counts = self.counts[row_t]
         seen = (counts > 0) | self.in_prompt[row_t]
-        whole = len(which) == len(rows)
-        idx = None if whole else host_to_device(which, logits.device)
-        sub = (logits if whole else logits[idx]).float()
+        sub = logits[which_t].float()
+        rep, presence, frequency = rep.unsqueeze(1), presence.unsqueeze(1), frequency.unsqueeze(1)
         # HF's repetition penalty: positive logits divided by it, negative ones multiplied.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - frequency * counts - presence * (counts > 0)
-        if whole:
-            logits.copy_(sub)
-        else:
-            logits[idx] = sub.to(logits.dtype)
+        logits[which_t] = sub.to(logits.dtype)
 
     def _ban(self, logits: torch.Tensor, rows_t: torch.Tensor,
              next_positions: torch.Tensor) -> None:
