@@ -7,7 +7,7 @@
 #   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
-# skipped and say so), STEPS (which steps, default all: tests offline decode kernels
+# skipped and say so), STEPS (which steps, default all: tests offline decode controls kernels
 # mechanisms profile triton mixed tp). flashinfer must be importable; the `triton` step (and
 # `mixed`'s server run) needs tritonserver and perf_analyzer on PATH (TRITON_BACKEND_DIR for a
 # wheel install); `tp` needs two GPUs.
@@ -15,7 +15,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode kernels mechanisms profile triton mixed tp}
+STEPS=${STEPS:-tests offline decode controls kernels mechanisms profile triton mixed tp}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -61,6 +61,12 @@ if wants decode; then
     --shape qwen3-0.6b --batch-sizes 1 2 4 8 --new-tokens 128 --skip-hf --fused-gemv-max-bs 0
   TAIL=3 step 120 decode-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
+fi
+if wants controls; then  # per-request sampling controls: GPU tests, then decode with and without
+  step 600 tests-controls python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_sampling_controls.py
+  step 300 controls-qwen3-0.6b python3 scripts/bench_sampling_controls.py --device cuda \
+    --shape qwen3-0.6b --load-format dummy --batch-sizes 1 64 256
 fi
 wants kernels && TAIL=40 step 300 kernels python3 scripts/bench_kernels.py \
   --batch-sizes 1 8 64 256 --context-lens 256 1024 2048 --page-sizes 16 64 \

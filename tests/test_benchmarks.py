@@ -256,3 +256,20 @@ def test_bench_scheduler_runs_the_workload_through_the_real_scheduler() -> None:
     workload = anchor_workload(151936, 12, 4, 40)
     assert all(int(row[1]) == workload.output_tokens for row in rows)
     assert all(number(cell) > 0 for row in rows for cell in row[5:])
+
+
+def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_sampling_controls.py"), *COMMON, "--shape",
+         "tiny-qwen3", "--batch-sizes", "1", "2", "--max-tokens", "6", "--prompt-len", "4",
+         "--repeats", "1", "--each"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    header, rows = last_table(run.stdout)
+    assert header == ["batch", "config", "decode tok/s", "ms/step", "vs none"]
+    configs = ["none", "all", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "min_p", "logit_bias", "bad_token_ids", "logprobs"]
+    assert [(r[0], r[1]) for r in rows] == [(b, c) for b in ("1", "2") for c in configs]
+    assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[4]) > 0 for r in rows)
+    assert [r[4] for r in rows if r[1] == "none"] == ["1.00x", "1.00x"]
+    assert "penalties 760,320 B/row = 194.6 MB" in run.stdout

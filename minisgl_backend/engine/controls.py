@@ -210,12 +210,13 @@ class LogitControls:
         return LogprobReport(wanted, token_lp, top_ids, top_lp)
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-              next_positions: torch.Tensor) -> None:
+              next_positions: torch.Tensor, seq_lens: np.ndarray) -> None:
         """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order.
-        `next_positions` [bs] (device): positions of the tokens being sampled."""
+        `next_positions` [bs] (device) and `seq_lens` [bs] (host): positions of the tokens
+        being sampled."""
         penalized = self.penalized[rows]
         if penalized.any():
-            self._penalize(logits, rows, penalized)
+            self._penalize(logits, rows, penalized, seq_lens)
         if self.biased[rows].any():
             assert self.bias_ids is not None and self.bias_values is not None
             logits.scatter_add_(1, self.bias_ids[rows_t],
@@ -226,7 +227,8 @@ class LogitControls:
         if min_p.any():
             self._min_p(logits, rows, min_p)
 
-    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray) -> None:
+    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
+                  seq_lens: np.ndarray) -> None:
         assert self.counts is not None and self.in_prompt is not None
         which = np.nonzero(penalized)[0]
         p = self.params
@@ -241,10 +243,22 @@ class LogitControls:
             apply_penalties(logits, which_t, row_t, self.counts, self.in_prompt, rep, presence,
                             frequency)
             return
+        rep, presence, frequency = rep.unsqueeze(1), presence.unsqueeze(1), frequency.unsqueeze(1)
+        lens = seq_lens[which]
+        if 2 * int(lens.max()) < self.vocab_size:
+            # Only the tokens a row has seen change: its token pool row holds them all (the
+            # prompt came on admission). Repeated ids write the same value, so scatter is exact.
+            positions = np.minimum(np.arange(int(lens.max()))[None, :], lens[:, None] - 1)
+            ids = self.token_pool[row_t.unsqueeze(1),
+                                  host_to_device(positions, logits.device)].long()
+            counts = self.counts[row_t.unsqueeze(1), ids]
+            x = logits[which_t.unsqueeze(1), ids].float()
+            x = torch.where(x > 0, x / rep, x * rep) - frequency * counts - presence * (counts > 0)
+            logits[which_t.unsqueeze(1), ids] = x.to(logits.dtype)
+            return
         counts = self.counts[row_t]
         seen = (counts > 0) | self.in_prompt[row_t]
         sub = logits[which_t].float()
-        rep, presence, frequency = rep.unsqueeze(1), presence.unsqueeze(1), frequency.unsqueeze(1)
         # HF's repetition penalty: positive logits divided by it, negative ones multiplied.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - frequency * counts - presence * (counts > 0)
@@ -275,10 +289,14 @@ class LogitControls:
         sel_rows = rows[which]
         offset = self.params["temperature"][sel_rows] * np.log(self.params["min_p"][sel_rows])
         offset_t = host_to_device(offset, logits.device, torch.float32).unsqueeze(1)
+        if len(which) == len(rows):
+            floor = logits.amax(dim=-1, keepdim=True).float() + offset_t
+            logits.masked_fill_(logits < floor, float("-inf"))
+            return
         idx = host_to_device(which, logits.device)
         sub = logits[idx]
-        floor = sub.float().amax(dim=-1, keepdim=True) + offset_t
-        logits[idx] = sub.masked_fill(sub.float() < floor, float("-inf"))
+        floor = sub.amax(dim=-1, keepdim=True).float() + offset_t
+        logits[idx] = sub.masked_fill(sub < floor, float("-inf"))
 
     def record(self, rows: np.ndarray, rows_t: torch.Tensor, tokens: torch.Tensor,
                seq_lens: np.ndarray) -> None:

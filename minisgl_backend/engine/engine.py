@@ -215,7 +215,7 @@ class Engine:
         raw_logprobs = None
         if controlled:
             raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
-            self.controls.apply(logits, rows, batch.rows, next_positions)
+            self.controls.apply(logits, rows, batch.rows, next_positions, self.row_len[rows])
         self._mask_early_stops(logits, rows, batch.seq_lens)
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)

@@ -1,7 +1,7 @@
-"""The Triton penalty kernel (`kernels/penalties.py`) against the torch path it replaces.
-
-Without CUDA the kernel runs in Triton's interpreter on CPU tensors; with CUDA compiled.
-"""
+"""The three ways the engine applies penalties agree: the sparse torch path (only the tokens a
+row has seen, read from its token pool), the dense torch path (long sequences: every
+vocabulary entry) and the Triton kernel (`kernels/penalties.py`, GPU; without CUDA it runs in
+Triton's interpreter on CPU tensors)."""
 
 from __future__ import annotations
 
@@ -38,11 +38,36 @@ def _controls(device: str) -> tuple[LogitControls, np.ndarray]:
     controls.admit(StepMessage(is_prefill=True, admit_rows=rows.tolist(), admit=admit,
                                prompt_rows=rows.tolist(), prompt_counts=[20] * 3,
                                prompt_tokens=np.concatenate(prompts).tolist()))
-    for _ in range(30):  # generated tokens, some repeated
+    for step in range(30):  # generated tokens, some repeated, kept in the token pool too
         tokens = torch.as_tensor(gen.integers(0, 400, len(rows)), dtype=torch.int32)
+        pool[torch.as_tensor(rows), 20 + step] = tokens
         controls.record(rows, torch.as_tensor(rows).to(device), tokens.to(device),
-                        np.full(len(rows), 100))
+                        np.full(len(rows), 21 + step))
     return controls, rows
+
+
+SEQ_LEN = 50  # 20 prompt tokens + 30 generated
+BATCH = np.array([3, 0, 1, 4, 5])  # table rows of a batch; 0 and 5 are not penalized
+
+
+def _logits(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(len(BATCH), VOCAB, generator=torch.Generator().manual_seed(1)) * 4
+            ).to(dtype)
+
+
+def _penalized(controls: LogitControls, logits: torch.Tensor, seq_len: int) -> torch.Tensor:
+    out = logits.clone()
+    controls._penalize(out, BATCH, np.isin(BATCH, [1, 3, 4]), np.full(len(BATCH), seq_len))
+    return out
+
+
+def test_sparse_path_equals_dense_path() -> None:
+    controls, _ = _controls("cpu")
+    logits = _logits()
+    sparse = _penalized(controls, logits, SEQ_LEN)  # 2 * 50 < vocabulary: sparse
+    dense = _penalized(controls, logits, VOCAB)  # "long" rows: dense over the vocabulary
+    assert torch.equal(sparse, dense)
+    assert (sparse != logits).any(dim=1).tolist() == [True, False, True, True, False]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -50,25 +75,21 @@ def _controls(device: str) -> tuple[LogitControls, np.ndarray]:
 def test_kernel_equals_the_torch_path(device: str, dtype: torch.dtype) -> None:
     controls, rows = _controls(device)
     assert controls.counts is not None and controls.in_prompt is not None
-    batch = np.array([3, 0, 1, 4, 5])  # table rows of a batch; 0 and 5 are not penalized
-    logits = (torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(1)) * 4
-              ).to(dtype).to(device)
-    original = logits.clone().cpu().float()
-    expected = original.clone()
-    penalized = np.isin(batch, rows)
-    controls_cpu, _ = _controls("cpu")
-    controls_cpu._penalize(expected, batch, penalized)  # the torch path (CPU tensors)
+    original = _logits(dtype)
+    expected = _penalized(_controls("cpu")[0], original.float(), VOCAB).to(dtype).float()
+    logits = original.clone().to(device)
+    penalized = np.isin(BATCH, rows)
     which = np.nonzero(penalized)[0]
     p = controls.params
-    factors = [torch.tensor(p[name][batch[which]], dtype=torch.float32, device=device)
+    factors = [torch.tensor(p[name][BATCH[which]], dtype=torch.float32, device=device)
                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
     apply_penalties(logits, torch.as_tensor(which, device=device),
-                    torch.as_tensor(batch[which], device=device), controls.counts,
+                    torch.as_tensor(BATCH[which], device=device), controls.counts,
                     controls.in_prompt, *factors)
     got = logits.cpu().float()
-    assert torch.equal(got[~torch.as_tensor(penalized)],
-                       expected[~torch.as_tensor(penalized)].to(dtype).float())
+    unpenalized = torch.as_tensor(~penalized)
+    assert torch.equal(got[unpenalized], original.float()[unpenalized])
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got, expected.to(dtype).float(), rtol=tolerance, atol=tolerance)
-    changed = (got != original).any(dim=1)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    changed = (got != original.float()).any(dim=1)
     assert changed.tolist() == penalized.tolist()  # every penalized row moved, no other one
