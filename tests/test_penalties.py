@@ -40,8 +40,9 @@ def _controls(device: str) -> tuple[LogitControls, np.ndarray]:
                                prompt_tokens=np.concatenate(prompts).tolist()))
     for step in range(30):  # generated tokens, some repeated, kept in the token pool too
         tokens = torch.as_tensor(gen.integers(0, 400, len(rows)), dtype=torch.int32)
-        pool[torch.as_tensor(rows), 20 + step] = tokens
-        controls.record(rows, torch.as_tensor(rows).to(device), tokens.to(device),
+        tokens = tokens.to(device)
+        pool[torch.as_tensor(rows, device=device), 20 + step] = tokens
+        controls.record(rows, torch.as_tensor(rows, device=device), tokens,
                         np.full(len(rows), 21 + step))
     return controls, rows
 
