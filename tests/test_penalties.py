@@ -58,7 +58,8 @@ def _logits(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def _penalized(controls: LogitControls, logits: torch.Tensor, seq_len: int) -> torch.Tensor:
     out = logits.clone()
-    controls._penalize(out, BATCH, np.isin(BATCH, [1, 3, 4]), np.full(len(BATCH), seq_len))
+    controls._penalize(out, BATCH, np.isin(BATCH, [1, 3, 4]), np.full(len(BATCH), seq_len),
+                       torch.full((len(BATCH),), seq_len))
     return out
 
 

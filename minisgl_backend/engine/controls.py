@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES
-from minisgl_backend.device_copy import host_to_device, stack_to_device
+from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.layers.fast_ops import use_triton_kernels
 
@@ -84,12 +85,28 @@ class LogitControls:
         # [rows, sequences, length] int64: bad-word sequences right-aligned (the banned token
         # last), -1 where a shorter sequence has no token; a row's unused sequences are all -1.
         self.ban_tokens: torch.Tensor | None = None
+        # Per-batch device copies of host values (row indices, factors), by what they are and
+        # the batch's rows: decode steps of an unchanged batch upload nothing. Admissions
+        # change the rows' settings, so they clear it.
+        self._uploads: dict[tuple[str, bytes], torch.Tensor] = {}
+
+    def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`make()` on the device, uploaded once per (what, key) until the next admission."""
+        cache_key = (what, key.tobytes())
+        tensor = self._uploads.get(cache_key)
+        if tensor is None:
+            if len(self._uploads) >= 256:  # many batch shapes in a row: start over
+                self._uploads.clear()
+            tensor = self._uploads[cache_key] = host_to_device(make(), self.device, dtype)
+        return tensor
 
     # ----- admission ---------------------------------------------------------------------
 
     def admit(self, msg: StepMessage) -> None:
         """Rows of `msg.admit_rows` start new requests: set their flags and device state."""
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
+        self._uploads.clear()
         p = self.params
         self.penalized[rows] = ((p["repetition_penalty"][rows] != 1.0)
                                 | (p["presence_penalty"][rows] != 0.0)
@@ -193,8 +210,8 @@ class LogitControls:
         wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
         if len(wanted) == 0:
             return None
-        sel = logits if len(wanted) == len(rows) else logits[host_to_device(wanted,
-                                                                             logits.device)]
+        sel = logits if len(wanted) == len(rows) else logits[
+            self._upload("logprob rows", rows, lambda: wanted)]
         return wanted, torch.log_softmax(sel.float(), dim=-1)
 
     def report(self, raw: tuple[np.ndarray, torch.Tensor], rows: np.ndarray,
@@ -202,7 +219,7 @@ class LogitControls:
         """The sampled tokens' log-probabilities and the top alternatives of the rows in `raw`."""
         wanted, logprobs = raw
         sel_tokens = tokens if len(wanted) == len(rows) else tokens[
-            host_to_device(wanted, tokens.device)]
+            self._upload("logprob rows", rows, lambda: wanted)]
         token_lp = logprobs.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
         top = int(self.params["logprobs"][rows[wanted]].max())
         top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0],
@@ -216,7 +233,7 @@ class LogitControls:
         being sampled."""
         penalized = self.penalized[rows]
         if penalized.any():
-            self._penalize(logits, rows, penalized, seq_lens)
+            self._penalize(logits, rows, penalized, seq_lens, next_positions)
         if self.biased[rows].any():
             assert self.bias_ids is not None and self.bias_values is not None
             logits.scatter_add_(1, self.bias_ids[rows_t],
@@ -228,15 +245,16 @@ class LogitControls:
             self._min_p(logits, rows, min_p)
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
-                  seq_lens: np.ndarray) -> None:
+                  seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:
         assert self.counts is not None and self.in_prompt is not None
         which = np.nonzero(penalized)[0]
         p = self.params
         sel_rows = rows[which]
-        rep, presence, frequency = host_to_device(np.stack(
+        rep, presence, frequency = self._upload("penalties", rows, lambda: np.stack(
             [p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
-             p["frequency_penalty"][sel_rows]]), logits.device, torch.float32)
-        which_t, row_t = stack_to_device([which, sel_rows], logits.device)
+             p["frequency_penalty"][sel_rows]]), torch.float32)
+        which_t, row_t = self._upload("penalized rows", rows,
+                                      lambda: np.stack([which, sel_rows]), torch.int64)
         if use_triton_kernels(logits) and logits.stride(1) == 1:
             from kernels.penalties import apply_penalties
 
@@ -248,9 +266,9 @@ class LogitControls:
         if 2 * int(lens.max()) < self.vocab_size:
             # Only the tokens a row has seen change: its token pool row holds them all (the
             # prompt came on admission). Repeated ids write the same value, so scatter is exact.
-            positions = np.minimum(np.arange(int(lens.max()))[None, :], lens[:, None] - 1)
-            ids = self.token_pool[row_t.unsqueeze(1),
-                                  host_to_device(positions, logits.device)].long()
+            last = next_positions[which_t].unsqueeze(1) - 1  # each row's last position
+            positions = torch.arange(int(lens.max()), device=logits.device).unsqueeze(0)
+            ids = self.token_pool[row_t.unsqueeze(1), positions.minimum(last)].long()
             counts = self.counts[row_t.unsqueeze(1), ids]
             x = logits[which_t.unsqueeze(1), ids].float()
             x = torch.where(x > 0, x / rep, x * rep) - frequency * counts - presence * (counts > 0)
@@ -287,13 +305,14 @@ class LogitControls:
         top one's: logit < max + temperature * log(min_p)."""
         which = np.nonzero(which_mask)[0]
         sel_rows = rows[which]
-        offset = self.params["temperature"][sel_rows] * np.log(self.params["min_p"][sel_rows])
-        offset_t = host_to_device(offset, logits.device, torch.float32).unsqueeze(1)
+        p = self.params
+        offset_t = self._upload("min_p", rows, lambda: p["temperature"][sel_rows] * np.log(
+            p["min_p"][sel_rows]), torch.float32).unsqueeze(1)
         if len(which) == len(rows):
             floor = logits.amax(dim=-1, keepdim=True).float() + offset_t
             logits.masked_fill_(logits < floor, float("-inf"))
             return
-        idx = host_to_device(which, logits.device)
+        idx = self._upload("min_p rows", rows, lambda: which)
         sub = logits[idx]
         floor = sub.amax(dim=-1, keepdim=True).float() + offset_t
         logits[idx] = sub.masked_fill(sub < floor, float("-inf"))
@@ -306,7 +325,8 @@ class LogitControls:
         if not counted.any():
             return
         assert self.counts is not None
-        which = host_to_device(np.nonzero(counted)[0], tokens.device)
+        which = self._upload("counted rows", np.concatenate([rows, counted]),
+                             lambda: np.nonzero(counted)[0])
         self.counts[rows_t[which], tokens[which].long()] += 1
 
 
