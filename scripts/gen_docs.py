@@ -15,9 +15,28 @@ from pathlib import Path
 
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.fields import markdown_table
+from minisgl_backend.serving.interface import OUTPUTS, inputs_of
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-TABLES = {"sampling-params": lambda: markdown_table(SamplingParams)}
+
+
+def triton_inputs() -> str:
+    lines = ["| input | type | meaning |", "|---|---|---|"]
+    for spec in inputs_of("ensemble"):
+        shape = " [-1]" if spec.dims == (-1,) else ""
+        lines.append(f"| `{spec.name}` | {spec.data_type.removeprefix('TYPE_')}{shape} | "
+                     f"{spec.doc} |")
+    return "\n".join(lines)
+
+
+def triton_outputs() -> str:
+    lines = ["| output | type | meaning |", "|---|---|---|"]
+    lines += [f"| `{o.name}` | {o.data_type.removeprefix('TYPE_')} | {o.doc} |" for o in OUTPUTS]
+    return "\n".join(lines)
+
+
+TABLES = {"sampling-params": lambda: markdown_table(SamplingParams),
+          "triton-inputs": triton_inputs, "triton-outputs": triton_outputs}
 
 
 def render(text: str) -> str:

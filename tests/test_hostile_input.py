@@ -34,6 +34,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer
 
+from minisgl_backend.serving.interface import INPUTS
 from minisgl_backend.tokenizer import encode_prompt
 from tests.triton_fixtures import (  # noqa: F401 - triton_server is a fixture
     GrpcStream,
@@ -54,15 +55,8 @@ MAX = 4  # tokens of every valid request (at most)
 VOCAB = 49152  # the default model's vocabulary (SmolLM2-135M)
 MODELS = ("ensemble", "minisgl")
 
-# input name -> Triton datatype (config.pbtxt); list-valued inputs have shape [1, n]
-SCHEMA = {
-    "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
-    "top_k": "INT32", "top_p": "FP32", "seed": "UINT64", "stop_words": "BYTES",
-    "end_id": "INT32", "ignore_eos": "BOOL", "exclude_input_in_output": "BOOL",
-    "min_length": "INT32", "apply_chat_template": "BOOL", "return_num_input_tokens": "BOOL",
-    "return_num_output_tokens": "BOOL", "return_finish_reason": "BOOL",
-    "return_cached_tokens": "BOOL", "input_ids": "INT32",
-}
+# input name -> Triton datatype (as config.pbtxt declares it); list-valued inputs have shape [1, n]
+SCHEMA = {i.name: i.data_type.removeprefix("TYPE_").replace("STRING", "BYTES") for i in INPUTS}
 LIST_INPUTS = {"stop_words", "input_ids"}
 NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "FP32": np.float32, "FP64": np.float64,
          "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "UINT8": np.uint8,
@@ -203,7 +197,7 @@ def make_case(rng: random.Random, kind: str, input_ids_of_prompt: list[int]) -> 
     if kind == "extra_input":
         fields = _valid()
         if rng.random() < 0.5:  # an unknown input: gRPC rejects it, HTTP passes it as a parameter
-            name = rng.choice(["bogus", "max_new_tokens", "prompt", "beam_width"])
+            name = rng.choice(["bogus", "max_new_tokens", "prompt", "num_beams"])
             transport = _transport(rng)
             fields[name] = 1 if transport == "http" else _raw_input(
                 name, np.array([[1]], dtype=np.int32), "INT32")
@@ -227,7 +221,7 @@ def make_case(rng: random.Random, kind: str, input_ids_of_prompt: list[int]) -> 
                     names=(name,))
     if kind == "sampling_bad":
         name, value = rng.choice([("temperature", -0.5), ("temperature", -1e30),
-                                  ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.0001),
+                                  ("top_p", -0.1), ("top_p", 1.0001),
                                   ("top_p", 1e30), ("top_k", -1), ("top_k", -(2**31))])
         return case(fields=_valid(**{name: value}), expect="error",
                     names=(name,))

@@ -55,7 +55,17 @@ def test_sampling_inputs_reach_the_params() -> None:
     ({"max_tokens": [[1, 2]]}, "max_tokens"),
     ({"temperature": np.array([[-1.0]], dtype=np.float32)}, "temperature"),
     ({"temperature": np.array([[np.nan]], dtype=np.float32)}, "temperature"),
-    ({"top_p": np.array([[0.0]], dtype=np.float32)}, "top_p"),
+    ({"top_p": np.array([[-0.5]], dtype=np.float32)}, "top_p"),
+    ({"repetition_penalty": np.array([[0.0]], dtype=np.float32)}, "repetition_penalty"),
+    ({"presence_penalty": np.array([[2.5]], dtype=np.float32)}, "presence_penalty"),
+    ({"frequency_penalty": np.array([[-3.0]], dtype=np.float32)}, "frequency_penalty"),
+    ({"min_p": np.array([[1.5]], dtype=np.float32)}, "min_p"),
+    ({"random_seed": np.array([[-1]], dtype=np.int64)}, "random_seed"),
+    ({"min_tokens": np.array([[50]], dtype=np.int32)}, "min_tokens"),
+    ({"beam_width": np.array([[4]], dtype=np.int32)}, "beam_width"),
+    ({"seed": np.array([[1]], dtype=np.uint64), "random_seed": np.array([[2]], np.uint64)},
+     "random_seed"),
+    ({"length_penalty": np.array([[1]], dtype=np.bool_)}, "length_penalty"),
     ({"top_p": np.array([[1.5]], dtype=np.float32)}, "top_p"),
     ({"top_k": np.array([[-3]], dtype=np.int32)}, "top_k"),
     ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words"),
@@ -66,6 +76,45 @@ def test_sampling_inputs_reach_the_params() -> None:
 def test_bad_inputs_name_the_field(inputs: dict, field: str) -> None:
     with pytest.raises(RequestError, match=field):
         parse(**inputs)
+
+
+def test_tensorrt_llm_inputs_reach_the_params() -> None:
+    """Both generations of names, TensorRT-LLM's "0 means off", and the inputs accepted for
+    compatibility (beam_width 1, length_penalty, pad_id)."""
+    f32 = np.float32
+    req = parse(top_p=np.array([[0.0]], f32), top_k=np.array([[0]], np.int32),
+                temperature=np.array([[1.0]], f32), repetition_penalty=np.array([[1.3]], f32),
+                presence_penalty=np.array([[0.5]], f32), frequency_penalty=np.array([[-0.25]], f32),
+                min_p=np.array([[0.1]], f32), random_seed=np.array([[7]], np.uint64),
+                min_tokens=np.array([[2]], np.int32), beam_width=np.array([[1]], np.int32),
+                length_penalty=np.array([[1.0]], f32), pad_id=np.array([[2]], np.int32))
+    p = req.params
+    assert p.top_p == 1.0 and p.top_k == -1 and p.seed == 7 and p.min_tokens == 2
+    assert p.repetition_penalty == pytest.approx(1.3) and p.min_p == pytest.approx(0.1)
+    assert p.presence_penalty == 0.5 and p.frequency_penalty == -0.25
+    assert parse(min_length=np.array([[3]], np.int32)).params.min_tokens == 3
+    same = parse(seed=np.array([[5]], np.uint64), random_seed=np.array([[5]], np.uint64))
+    assert same.params.seed == 5
+
+
+def test_every_sampling_input_feeds_a_sampling_params_field() -> None:
+    from minisgl_backend.fields import specs_of
+    from minisgl_backend.core import SamplingParams
+    from minisgl_backend.serving.interface import sampling_inputs
+
+    fields = specs_of(SamplingParams)
+    assert all(i.feeds in fields for i in sampling_inputs())
+
+
+def test_config_pbtxt_files_are_generated_from_the_declaration() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    result = subprocess.run([sys.executable, "scripts/gen_configs.py", "--check"],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_missing_max_tokens_is_an_error() -> None:

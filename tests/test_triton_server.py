@@ -121,6 +121,36 @@ def test_server_equals_offline_api_and_hf(server: TritonServer, reference: HttpR
     assert reference.text == tokenizer.decode(hf_ids, skip_special_tokens=True)
 
 
+def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer,
+                                                            default_model: Path) -> None:
+    """The sampling inputs as TensorRT-LLM's and LlamaIndex's clients send them (beam_width 1,
+    length_penalty, random_seed, top_p 0 and top_k 0 meaning off, the penalties, min_p) give
+    exactly what the same SamplingParams give through the offline API, on both models."""
+    cases = [
+        ({"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4,
+          "beam_width": 1, "length_penalty": 1.0, "top_p": 0.0, "top_k": 0},
+         SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5,
+                        frequency_penalty=0.4)),
+        ({"temperature": 0.8, "min_p": 0.1, "min_tokens": 4,
+          "random_seed": tensor("random_seed", 1234, "UINT64")},
+         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, min_p=0.1, min_tokens=4,
+                        seed=1234)),
+    ]
+    with LLM(default_model, device="cpu") as llm:
+        offline = llm.generate([PROMPT] * len(cases), [p for _, p in cases])
+    for (options, _), expected in zip(cases, offline):
+        for model in ("ensemble", "minisgl"):
+            got = grpc_generate(server, ensemble_inputs(
+                PROMPT, MAX_TOKENS, stream=True, exclude_input_in_output=True, **options),
+                model=model)
+            assert_one_final_last(got)
+            assert got.ids == expected.token_ids and got.text == expected.text, (model, options)
+    plain = grpc_generate(server, ensemble_inputs(PROMPT, MAX_TOKENS, stream=True))
+    assert plain.ids != offline[0].token_ids  # the penalties really changed the answer
+    refused = grpc_generate(server, ensemble_inputs(PROMPT, 4, beam_width=4))
+    assert refused.errors and "beam_width" in str(refused.errors[0]), refused
+
+
 def test_engine_model_takes_the_ensembles_inputs(server: TritonServer, reference: HttpResult,
                                                  tokenizer) -> None:
     """`minisgl` called directly with `text_input` answers like the ensemble; with token ids
@@ -230,7 +260,7 @@ BAD_HTTP_REQUESTS = [
     ({"text_input": "", "max_tokens": 4}, "text_input"),
     ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens"),
     ({"text_input": PROMPT, "max_tokens": 10**6}, "max_tokens"),
-    ({"text_input": PROMPT, "max_tokens": 4, "top_p": 0.0}, "top_p"),
+    ({"text_input": PROMPT, "max_tokens": 4, "top_p": -0.5}, "top_p"),
     ({"text_input": PROMPT, "max_tokens": 4, "top_p": 1.5}, "top_p"),
     ({"text_input": PROMPT, "max_tokens": 4, "temperature": -0.5}, "temperature"),
     ({"text_input": "word " * 10000, "max_tokens": 4}, "prompt"),
@@ -240,7 +270,7 @@ BAD_HTTP_REQUESTS = [
 
 
 @pytest.mark.parametrize("body,field", BAD_HTTP_REQUESTS,
-                         ids=["empty-text", "max-tokens-0", "max-tokens-huge", "top-p-0",
+                         ids=["empty-text", "max-tokens-0", "max-tokens-huge", "top-p-negative",
                               "top-p-1.5", "negative-temperature", "prompt-too-long",
                               "bad-chat-json"])
 def test_bad_http_request_names_the_field(server: TritonServer, body: dict, field: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
+from minisgl_backend.serving.interface import sampling_inputs
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
@@ -167,7 +168,8 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     if any(len(word) > limits.max_stop_word_length for word in stop):
         raise RequestError(f"stop_words entries may have {limits.max_stop_word_length} "
                            f"characters at most")
-    max_tokens = scalar(get, "max_tokens", "int")
+    values, given_as = _sampling_values(get)
+    max_tokens = values.get("max_tokens")
     if max_tokens is None:
         raise RequestError("max_tokens is required")
     if max_tokens < 1 or max_tokens > max_tokens_limit:
@@ -175,24 +177,21 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     end_id = scalar(get, "end_id", "int")
     if end_id is not None and vocab_size and end_id >= vocab_size:
         raise RequestError(f"end_id must be a token id below {vocab_size} (or -1), got {end_id}")
-    stop_ids = [end_id] if end_id is not None and end_id >= 0 else None
-    min_length = scalar(get, "min_length", "int", 0)
-    if not 0 <= min_length <= max_tokens:
-        raise RequestError(f"min_length must be in [0, max_tokens={max_tokens}], got {min_length}")
+    beam_width = scalar(get, "beam_width", "int", 1)
+    if beam_width != 1:
+        raise RequestError(f"beam_width must be 1 (beam search is not supported), got "
+                           f"{beam_width}")
+    scalar(get, "pad_id", "int")  # accepted: responses carry no padding
+    scalar(get, "length_penalty", "float")  # accepted: it only affects beam search
     try:
         params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(scalar(get, "temperature", "float", 0.0)),
-            top_k=_top_k(scalar(get, "top_k", "int", 0)),
-            top_p=float(scalar(get, "top_p", "float", 1.0)),
-            seed=scalar(get, "seed", "int"),
-            ignore_eos=bool(scalar(get, "ignore_eos", "bool", False)),
+            **values,
             stop=stop or None,
-            stop_token_ids=stop_ids,
-            min_tokens=min_length,
+            stop_token_ids=[end_id] if end_id is not None and end_id >= 0 else None,
         )
     except ValueError as exc:
-        raise RequestError(str(exc)) from None
+        field = str(exc).split(" ", 1)[0]
+        raise RequestError(str(exc).replace(field, given_as.get(field, field), 1)) from None
     return EngineRequest(
         prompt_ids=prompt_ids,
         params=params,
@@ -205,8 +204,29 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     )
 
 
-def _top_k(value: int) -> int:
-    """TensorRT-LLM's convention: top_k 0 means disabled."""
-    if value < 0:
-        raise RequestError(f"top_k must be >= 0 (0 disables it), got {value}")
-    return -1 if value == 0 else value
+def _sampling_values(get: GetInput) -> tuple[dict[str, Any], dict[str, str]]:
+    """The `SamplingParams` fields the request's sampling inputs set (as declared in
+    `serving/interface.py`), and for each field the input that gave it. Two inputs for one
+    field (`seed` and `random_seed`, say) must agree."""
+    values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for spec in sampling_inputs():
+        value = scalar(get, spec.name, spec.kind)
+        if value is None:
+            continue
+        if spec.kind == "float":
+            value = float(value)
+        elif spec.kind == "bool":
+            value = bool(value)
+        if spec.convert is not None:
+            try:
+                value = spec.convert(value)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+        field = spec.feeds
+        assert field is not None
+        if field in values and values[field] != value:
+            raise RequestError(f"{given_as[field]} and {spec.name} disagree ({values[field]} vs "
+                               f"{value}): give one")
+        values[field], given_as[field] = value, spec.name
+    return values, given_as

@@ -1,0 +1,133 @@
+"""The Triton request surface, declared once: every input and output of the `ensemble`,
+`preprocessing` and `minisgl` models with its data type, dims and meaning, and for sampling
+inputs the `SamplingParams` field it feeds.
+
+`scripts/gen_configs.py` writes the three `config.pbtxt` files' input, output and ensemble
+sections from these lists (a test fails when they drift), and `serving/request.py` reads the
+sampling inputs by walking `INPUTS`. Names, types and semantics follow the TensorRT-LLM
+ensemble convention (both of its generations: `seed` / `random_seed`, `min_tokens` /
+`min_length`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+Model = Literal["ensemble", "preprocessing", "minisgl"]
+_CLIENT: tuple[Model, ...] = ("ensemble", "minisgl")  # inputs a client sends either model
+_KINDS = {"TYPE_FP32": "float", "TYPE_INT32": "int", "TYPE_UINT64": "int", "TYPE_BOOL": "bool",
+          "TYPE_STRING": "text"}
+
+
+@dataclass(frozen=True)
+class TritonInput:
+    """One request input. `feeds`: the `SamplingParams` field set from its value (after
+    `convert`, TensorRT-LLM's conventions such as 0 meaning "off"; it raises ValueError naming
+    the input), None when the parser reads it itself; `models`: which models declare it."""
+
+    name: str
+    data_type: str
+    doc: str
+    dims: tuple[int, ...] = (1,)
+    feeds: str | None = None
+    convert: Callable[[object], object] | None = None
+    models: tuple[Model, ...] = _CLIENT
+
+    @property
+    def kind(self) -> str:
+        """How the parser reads it: "int", "float", "bool" or "text"."""
+        return _KINDS[self.data_type]
+
+
+@dataclass(frozen=True)
+class TritonOutput:
+    name: str
+    data_type: str
+    doc: str
+    dims: tuple[int, ...] = (1,)
+
+
+def _off_if_zero(name: str, off: object) -> Callable[[object], object]:
+    """TensorRT-LLM: 0 disables top_k / top_p; negative values raise ValueError."""
+
+    def convert(value: object) -> object:
+        if value == 0:
+            return off
+        if not value > 0:  # type: ignore[operator]
+            raise ValueError(f"{name} must be >= 0 (0: off), got {value}")
+        return value
+
+    return convert
+
+
+_BOTH: tuple[Model, ...] = ("ensemble", "preprocessing", "minisgl")
+
+INPUTS: tuple[TritonInput, ...] = (
+    TritonInput("input_ids", "TYPE_INT32", "prompt token ids (from preprocessing)", dims=(-1,),
+                models=("minisgl",)),
+    TritonInput("text_input", "TYPE_STRING", "the prompt; with `apply_chat_template`, the user "
+                "message or a JSON list of `{\"role\", \"content\"}` messages", models=_BOTH),
+    TritonInput("apply_chat_template", "TYPE_BOOL", "render `text_input` with the model's chat "
+                "template", models=_BOTH),
+    TritonInput("max_tokens", "TYPE_INT32", "tokens to generate (required)", feeds="max_tokens",
+                models=_BOTH),
+    TritonInput("stream", "TYPE_BOOL", "true: one response per new piece of text (deltas), the "
+                "last one FINAL; false: one response"),
+    TritonInput("temperature", "TYPE_FP32", "0: greedy", feeds="temperature"),
+    TritonInput("top_k", "TYPE_INT32", "sample among the k most likely tokens (0: off)",
+                feeds="top_k", convert=_off_if_zero("top_k", -1)),
+    TritonInput("top_p", "TYPE_FP32", "nucleus sampling (0: off)", feeds="top_p",
+                convert=_off_if_zero("top_p", 1.0)),
+    TritonInput("min_p", "TYPE_FP32", "drop tokens less likely than min_p times the most "
+                "likely one", feeds="min_p"),
+    TritonInput("seed", "TYPE_UINT64", "makes sampling reproducible", feeds="seed"),
+    TritonInput("random_seed", "TYPE_UINT64", "`seed`'s older name", feeds="seed"),
+    TritonInput("repetition_penalty", "TYPE_FP32", "HF's multiplicative penalty over prompt and "
+                "output tokens (1: off)", feeds="repetition_penalty"),
+    TritonInput("presence_penalty", "TYPE_FP32", "OpenAI's, over output tokens",
+                feeds="presence_penalty"),
+    TritonInput("frequency_penalty", "TYPE_FP32", "OpenAI's, over output tokens",
+                feeds="frequency_penalty"),
+    TritonInput("stop_words", "TYPE_STRING", "stop strings (the text is cut before them; empty "
+                "strings: none)", dims=(-1,)),
+    TritonInput("end_id", "TYPE_INT32", "an extra token id that ends generation like EOS "
+                "(-1: none)"),
+    TritonInput("pad_id", "TYPE_INT32", "accepted for compatibility: responses carry no "
+                "padding"),
+    TritonInput("ignore_eos", "TYPE_BOOL", "keep generating after EOS", feeds="ignore_eos"),
+    TritonInput("min_tokens", "TYPE_INT32", "EOS and stop ids cannot end generation before this "
+                "many tokens", feeds="min_tokens"),
+    TritonInput("min_length", "TYPE_INT32", "`min_tokens`' older name", feeds="min_tokens"),
+    TritonInput("beam_width", "TYPE_INT32", "1 (no beam search; other values are refused)"),
+    TritonInput("length_penalty", "TYPE_FP32", "accepted for compatibility: it only affects "
+                "beam search"),
+    TritonInput("exclude_input_in_output", "TYPE_BOOL", "non-streaming only: leave the prompt "
+                "out of `text_output` (streaming never repeats it)"),
+    TritonInput("return_num_input_tokens", "TYPE_BOOL", "add `num_input_tokens`"),
+    TritonInput("return_num_output_tokens", "TYPE_BOOL", "add `num_output_tokens`"),
+    TritonInput("return_finish_reason", "TYPE_BOOL", "add `finish_reason`"),
+    TritonInput("return_cached_tokens", "TYPE_BOOL", "add `cached_tokens`"),
+)
+
+OUTPUTS: tuple[TritonOutput, ...] = (
+    TritonOutput("text_output", "TYPE_STRING", "the text (streaming: a delta)", dims=(-1,)),
+    TritonOutput("output_ids", "TYPE_INT32", "the generated token ids (EOS included when it "
+                 "ends generation)", dims=(-1,)),
+    TritonOutput("num_input_tokens", "TYPE_INT32", "prompt tokens"),
+    TritonOutput("num_output_tokens", "TYPE_INT32", "generated tokens so far"),
+    TritonOutput("cached_tokens", "TYPE_INT32", "prompt tokens served from the prefix cache"),
+    TritonOutput("finish_reason", "TYPE_STRING", "`stop` or `length` (last response)"),
+)
+
+# preprocessing's output, mapped to minisgl's `input_ids` inside the ensemble.
+PREPROCESSING_OUTPUTS = (TritonOutput("input_ids", "TYPE_INT32", "prompt token ids", dims=(-1,)),)
+
+
+def inputs_of(model: Model) -> list[TritonInput]:
+    return [i for i in INPUTS if model in i.models]
+
+
+def sampling_inputs() -> list[TritonInput]:
+    """The inputs that feed a `SamplingParams` field directly, in declaration order."""
+    return [i for i in INPUTS if i.feeds is not None]
