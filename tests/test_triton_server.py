@@ -151,6 +151,36 @@ def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer
     assert refused.errors and "beam_width" in str(refused.errors[0]), refused
 
 
+def test_num_return_sequences_and_log_probs_equal_the_offline_api(server: TritonServer,
+                                                                  default_model: Path) -> None:
+    """`num_return_sequences` 3 (sampled, seeded) with `return_log_probs`: three sequences, each
+    equal to the offline API's sample of that index with its log-probabilities, every response
+    tagged with its `sequence_index`, one FINAL for the request; streaming and not."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=77, n=3, logprobs=0)
+    with LLM(default_model, device="cpu") as llm:
+        offline = llm.generate([PROMPT], params)
+    options = {"temperature": 0.9, "seed": tensor("seed", 77, "UINT64"),
+               "num_return_sequences": 3, "return_log_probs": True,
+               "exclude_input_in_output": True}
+    for stream in (True, False):
+        got = grpc_generate(server, ensemble_inputs(PROMPT, 8, stream=stream, **options))
+        assert_one_final_last(got)
+        by_index: dict[int, list] = {0: [], 1: [], 2: []}
+        for response in got.responses:
+            by_index[response.outputs["sequence_index"]].append(response)
+        assert len({tuple(o.token_ids) for o in offline}) > 1  # the samples differ
+        for index, expected in enumerate(offline):
+            responses = by_index[index]
+            assert [i for r in responses for i in r.ids] == expected.token_ids, (stream, index)
+            assert "".join(r.text for r in responses) == expected.text
+            logprobs = [x for r in responses for x in r.outputs["output_log_probs"]]
+            assert logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+            assert responses[-1].outputs["cum_log_probs"][0] == pytest.approx(
+                expected.cumulative_logprob, abs=1e-4)
+        if not stream:
+            assert len(got.responses) == 3  # one whole response per sequence
+
+
 def test_engine_model_takes_the_ensembles_inputs(server: TritonServer, reference: HttpResult,
                                                  tokenizer) -> None:
     """`minisgl` called directly with `text_input` answers like the ensemble; with token ids

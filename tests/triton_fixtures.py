@@ -332,7 +332,9 @@ class StreamResult:
 class GrpcStream:
     """One bidirectional gRPC stream; responses of each request id collected in order."""
 
-    OPTIONAL_OUTPUTS = ("num_input_tokens", "num_output_tokens", "cached_tokens", "finish_reason")
+    OPTIONAL_OUTPUTS = ("num_input_tokens", "num_output_tokens", "cached_tokens", "finish_reason",
+                        "sequence_index")
+    FLOAT_OUTPUTS = ("output_log_probs", "cum_log_probs")  # read as lists of floats
 
     def __init__(self, server: TritonServer) -> None:
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -367,6 +369,9 @@ class GrpcStream:
             if name in names:
                 value = result.as_numpy(name).reshape(-1)[0]
                 outputs[name] = value.decode() if isinstance(value, bytes) else int(value)
+        for name in self.FLOAT_OUTPUTS:
+            if name in names:
+                outputs[name] = [float(v) for v in result.as_numpy(name).reshape(-1)]
         return response.id, StreamResponse(text, ids, final, outputs), None
 
     def collect(self, request_ids: list[str], timeout: float = 120) -> dict[str, StreamResult]:

@@ -45,6 +45,17 @@ READY_CHECK_SECONDS = 0.5
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+@dataclass
+class SequenceState:
+    """One of a request's `num_return_sequences` sequences, as sent so far."""
+
+    text: list[str] = field(default_factory=list)  # non-streaming: accumulated text
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    finished: bool = False
+
+
 @dataclass(eq=False)
 class ActiveRequest:
     """One Triton request in flight, owned by the response thread once submitted."""
@@ -57,8 +68,16 @@ class ActiveRequest:
     cancelled: bool = False
     done: bool = False  # the final response was sent
     first_output: bool = True
-    text: list[str] = field(default_factory=list)  # non-streaming: accumulated text
-    token_ids: list[int] = field(default_factory=list)
+    sequences: dict[int, SequenceState] = field(default_factory=dict)
+
+    def sequence(self, index: int) -> SequenceState:
+        return self.sequences.setdefault(index, SequenceState())
+
+    @property
+    def all_finished(self) -> bool:
+        """Every sequence has ended (the one ending now carries the FINAL flag)."""
+        done = [s for s in self.sequences.values() if s.finished]
+        return len(done) == self.parsed.params.n
 
 
 class TritonPythonModel:
@@ -238,32 +257,46 @@ class TritonPythonModel:
                 self.scheduler.abort(state.uid)
 
     def _respond(self, state: ActiveRequest, out: RequestOutput) -> None:
+        if state.done:
+            return  # an error already ended the request (its other sequences' ends follow)
+        seq = state.sequence(out.index)
+        seq.finished = out.finished
+        final = out.error is not None or (out.finished and state.all_finished)
         try:
             if out.error is not None:
                 self._send_error(state, out)
             elif state.parsed.stream:
                 if out.token_ids or out.finished:
-                    state.token_ids.extend(out.token_ids)
-                    state.sender.send(self._response(state, out, out.text, out.token_ids),
-                                      flags=FINAL if out.finished else 0)
+                    self._add_tokens(seq, out)
+                    state.sender.send(self._response(state, out, out.text, out.token_ids,
+                                                     out.logprobs or []),
+                                      flags=FINAL if final else 0)
             else:
-                state.text.append(out.text)
-                state.token_ids.extend(out.token_ids)
+                seq.text.append(out.text)
+                self._add_tokens(seq, out)
                 if out.finished:
-                    text = "".join(state.text)
+                    text = "".join(seq.text)
                     if not state.parsed.exclude_input:
                         text = self.llm.tokenizer.decode(state.parsed.prompt_ids,
                                                          skip_special_tokens=True) + text
-                    state.sender.send(self._response(state, out, text, state.token_ids),
-                                      flags=FINAL)
+                    state.sender.send(self._response(state, out, text, seq.token_ids,
+                                                     seq.logprobs),
+                                      flags=FINAL if final else 0)
         except Exception:  # a client gone away must not stop the thread
             logger.exception("sending a response failed")
-            if not out.finished:
+            if not final:
                 self.scheduler.abort(state.uid)
-        if out.finished:
+        if final:
             state.done = True
             with self.active_lock:
                 self.active.pop(state.uid, None)
+
+    @staticmethod
+    def _add_tokens(seq: SequenceState, out: RequestOutput) -> None:
+        seq.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            seq.logprobs.extend(out.logprobs)
+            seq.cum_logprob += sum(out.logprobs)
 
     def _send_error(self, state: ActiveRequest, out: RequestOutput) -> None:
         if out.finish_reason == "abort" and state.cancelled:
@@ -273,8 +306,9 @@ class TritonPythonModel:
         state.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
     def _response(self, state: ActiveRequest, out: RequestOutput, text: str,
-                  token_ids: list[int]) -> Any:
+                  token_ids: list[int], logprobs: list[float]) -> Any:
         parsed = state.parsed
+        seq = state.sequence(out.index)
         tensors = [
             pb_utils.Tensor("text_output", np.array([[text.encode()]], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.asarray([token_ids], dtype=np.int32)),
@@ -282,13 +316,20 @@ class TritonPythonModel:
         if parsed.return_num_input_tokens:
             tensors.append(_int_tensor("num_input_tokens", out.prompt_tokens))
         if parsed.return_num_output_tokens:
-            tensors.append(_int_tensor("num_output_tokens", len(state.token_ids)))
+            tensors.append(_int_tensor("num_output_tokens", len(seq.token_ids)))
         if parsed.return_cached_tokens:
             tensors.append(_int_tensor("cached_tokens", out.cached_tokens))
         if parsed.return_finish_reason and out.finished:
             tensors.append(pb_utils.Tensor(
                 "finish_reason", np.array([[(out.finish_reason or "").encode()]],
                                           dtype=np.object_)))
+        if parsed.params.n > 1:
+            tensors.append(_int_tensor("sequence_index", out.index))
+        if parsed.return_log_probs:
+            tensors.append(pb_utils.Tensor("output_log_probs",
+                                           np.asarray([[logprobs]], dtype=np.float32)))
+            tensors.append(pb_utils.Tensor("cum_log_probs",
+                                           np.asarray([[seq.cum_logprob]], dtype=np.float32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self) -> None:
@@ -300,10 +341,10 @@ class TritonPythonModel:
 
 def _group_by_request(items: list[tuple[ActiveRequest, RequestOutput]]
                       ) -> list[tuple[ActiveRequest, list[RequestOutput]]]:
-    """Outputs grouped per request, in order (requests by their first output)."""
-    groups: dict[int, tuple[ActiveRequest, list[RequestOutput]]] = {}
+    """Outputs grouped per sequence of a request, in order (by their first output)."""
+    groups: dict[tuple[int, int], tuple[ActiveRequest, list[RequestOutput]]] = {}
     for state, out in items:
-        groups.setdefault(id(state), (state, []))[1].append(out)
+        groups.setdefault((id(state), out.index), (state, []))[1].append(out)
     return list(groups.values())
 
 

@@ -102,6 +102,10 @@ INPUTS: tuple[TritonInput, ...] = (
     TritonInput("beam_width", "TYPE_INT32", "1 (no beam search; other values are refused)"),
     TritonInput("length_penalty", "TYPE_FP32", "accepted for compatibility: it only affects "
                 "beam search"),
+    TritonInput("num_return_sequences", "TYPE_INT32", "sequences sampled from the prompt (each "
+                "response carries its `sequence_index`; one FINAL per request)", feeds="n"),
+    TritonInput("return_log_probs", "TYPE_BOOL", "add `output_log_probs` (each token's "
+                "log-probability under the model) and `cum_log_probs`"),
     TritonInput("exclude_input_in_output", "TYPE_BOOL", "non-streaming only: leave the prompt "
                 "out of `text_output` (streaming never repeats it)"),
     TritonInput("return_num_input_tokens", "TYPE_BOOL", "add `num_input_tokens`"),
@@ -118,6 +122,12 @@ OUTPUTS: tuple[TritonOutput, ...] = (
     TritonOutput("num_output_tokens", "TYPE_INT32", "generated tokens so far"),
     TritonOutput("cached_tokens", "TYPE_INT32", "prompt tokens served from the prefix cache"),
     TritonOutput("finish_reason", "TYPE_STRING", "`stop` or `length` (last response)"),
+    TritonOutput("sequence_index", "TYPE_INT32", "which of `num_return_sequences` the response "
+                 "belongs to (when more than one)"),
+    TritonOutput("output_log_probs", "TYPE_FP32", "log-probabilities of the response's tokens "
+                 "([1, tokens])", dims=(-1, -1)),
+    TritonOutput("cum_log_probs", "TYPE_FP32", "their running sum over the sequence",
+                 dims=(-1,)),
 )
 
 # preprocessing's output, mapped to minisgl's `input_ids` inside the ensemble.

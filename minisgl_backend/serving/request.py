@@ -45,6 +45,7 @@ class EngineRequest:
     return_num_output_tokens: bool
     return_finish_reason: bool
     return_cached_tokens: bool
+    return_log_probs: bool = False
 
 
 _KIND_CHECK = {
@@ -183,6 +184,9 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
                            f"{beam_width}")
     scalar(get, "pad_id", "int")  # accepted: responses carry no padding
     scalar(get, "length_penalty", "float")  # accepted: it only affects beam search
+    return_log_probs = bool(scalar(get, "return_log_probs", "bool", False))
+    if return_log_probs:
+        values["logprobs"] = 0  # the sampled tokens' log-probabilities, no alternatives
     try:
         params = SamplingParams(
             **values,
@@ -201,6 +205,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
         return_num_output_tokens=bool(scalar(get, "return_num_output_tokens", "bool", False)),
         return_finish_reason=bool(scalar(get, "return_finish_reason", "bool", False)),
         return_cached_tokens=bool(scalar(get, "return_cached_tokens", "bool", False)),
+        return_log_probs=return_log_probs,
     )
 
 
