@@ -170,12 +170,6 @@ def penalty_case(hf: torch.nn.Module) -> Case:
     return prompts, ps, expected
 
 
-def test_greedy_repetition_penalty_equals_hf_generate(engine: LLM, penalty_case: Case) -> None:
-    """Rows with different penalties (1.0: off) in one batch, each equal to HF's."""
-    prompts, ps, expected = penalty_case
-    assert [o.token_ids for o in engine.generate(prompts, ps)] == expected
-
-
 @pytest.fixture(scope="module")
 def penalty_bias_case(hf: torch.nn.Module) -> Case:
     prompts = mixed_prompts(7, seed=1)
@@ -200,12 +194,6 @@ def penalty_bias_case(hf: torch.nn.Module) -> Case:
     return prompts, ps, expected
 
 
-def test_presence_frequency_bias_min_p_equal_reference_loop(engine: LLM,
-                                                            penalty_bias_case: Case) -> None:
-    prompts, ps, expected = penalty_bias_case
-    assert [o.token_ids for o in engine.generate(prompts, ps)] == expected
-
-
 @pytest.fixture(scope="module")
 def ban_case(hf: torch.nn.Module) -> Case:
     prompts = mixed_prompts(5, seed=2)
@@ -223,8 +211,12 @@ def ban_case(hf: torch.nn.Module) -> Case:
     return prompts, ps, expected
 
 
-def test_bad_token_ids_equal_hf_bad_words_ids(engine: LLM, ban_case: Case) -> None:
-    prompts, ps, expected = ban_case
+@pytest.mark.parametrize("case", ["penalty_case", "penalty_bias_case", "ban_case"])
+def test_greedy_controls_equal_hf(engine: LLM, case: str, request: pytest.FixtureRequest) -> None:
+    """Each case's rows (different controls, and none, in one batch) equal HF's references:
+    `generate(repetition_penalty=...)`, the reference loop over HF logits for presence /
+    frequency / logit_bias / min_p, `generate(bad_words_ids=...)`."""
+    prompts, ps, expected = request.getfixturevalue(case)
     assert [o.token_ids for o in engine.generate(prompts, ps)] == expected
 
 
