@@ -261,8 +261,8 @@ def test_bench_scheduler_runs_the_workload_through_the_real_scheduler() -> None:
 def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_sampling_controls.py"), *COMMON, "--shape",
-         "tiny-qwen3", "--batch-sizes", "1", "2", "--max-tokens", "6", "--prompt-len", "4",
-         "--repeats", "1", "--each"],
+         "tiny-qwen3", "--batch-sizes", "1", "2", "--max-tokens", "32", "--prompt-len", "4",
+         "--repeats", "2", "--each"],  # enough decode steps that noise cannot hide them
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-4000:]
     header, rows = last_table(run.stdout)
