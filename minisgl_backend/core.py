@@ -29,14 +29,16 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries per request at most
 MAX_SAMPLES = 64  # n at most
 
 
-def _normalize_stop(stop: object) -> tuple[str, ...]:
-    if stop is None:
+def _nonempty_strings(values: object) -> tuple[str, ...]:
+    if values is None:
         return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) and v for v in values):
         raise ValueError
-    return tuple(stop)
+    return tuple(values)
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    return _nonempty_strings([stop] if isinstance(stop, str) else stop)
 
 
 def _normalize_token_ids(ids: object) -> tuple[int, ...]:
@@ -47,22 +49,12 @@ def _normalize_token_ids(ids: object) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _normalize_bad_words(words: object) -> tuple[str, ...]:
-    if words is None:
-        return ()
-    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
-        raise ValueError
-    return tuple(words)
-
-
 def _normalize_bad_token_ids(seqs: object) -> tuple[tuple[int, ...], ...]:
     if seqs is None:
         return ()
-    if not isinstance(seqs, (list, tuple)) or not all(
-            isinstance(s, (list, tuple)) and s and all(is_int(i) and i >= 0 for i in s)
-            for s in seqs):
+    if not isinstance(seqs, (list, tuple)) or not all(seq for seq in seqs):
         raise ValueError
-    return tuple(tuple(s) for s in seqs)
+    return tuple(_normalize_token_ids(seq) for seq in seqs)
 
 
 def _normalize_logit_bias(bias: object) -> dict[int, float]:
@@ -119,7 +111,7 @@ class SamplingParams:
         accepts=f"a dict of at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
     bad_words: tuple[str, ...] | list[str] | None = spec_field(
         None, "custom", "strings whose tokens are never completed (also with a leading space)",
-        normalize=_normalize_bad_words,
+        normalize=_nonempty_strings,
         accepts="a list of non-empty strings")
     bad_token_ids: tuple[tuple[int, ...], ...] | list[list[int]] | None = spec_field(
         None, "custom", "token sequences whose last token is never sampled after the others",
@@ -152,8 +144,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return bool(penalties_active(self.repetition_penalty, self.presence_penalty,
+                                     self.frequency_penalty))
 
     def row_values(self, seed: int) -> dict[str, float | int]:
         """The per-row engine controls (fields with a `row_dtype`) as the engine reads them:
@@ -165,6 +157,11 @@ class SamplingParams:
         values["temperature"] = 0.0 if self.is_greedy else self.temperature
         values["seed"] = seed
         return values
+
+
+def penalties_active(repetition: Any, presence: Any, frequency: Any) -> Any:
+    """The one rule for "this request is penalized", on numbers or on numpy arrays of rows."""
+    return (repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)
 
 
 def sample_seed(seed: int, index: int) -> int:

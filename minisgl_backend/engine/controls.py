@@ -18,9 +18,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES
+from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES, penalties_active
 from minisgl_backend.device_copy import host_to_device
-from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.engine.protocol import StepMessage, ranges
 from minisgl_backend.layers.fast_ops import use_triton_kernels
 
 
@@ -108,9 +108,9 @@ class LogitControls:
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
         self._uploads.clear()
         p = self.params
-        self.penalized[rows] = ((p["repetition_penalty"][rows] != 1.0)
-                                | (p["presence_penalty"][rows] != 0.0)
-                                | (p["frequency_penalty"][rows] != 0.0))
+        self.penalized[rows] = penalties_active(p["repetition_penalty"][rows],
+                                                p["presence_penalty"][rows],
+                                                p["frequency_penalty"][rows])
         self.min_p_rows[rows] = (p["min_p"][rows] > 0) & (p["temperature"][rows] > 0)
         was_biased, was_banned = self.biased[rows].copy(), self.banned[rows].copy()
         self.biased[rows] = False
@@ -151,7 +151,7 @@ class LogitControls:
         counts = np.asarray(msg.prompt_counts, dtype=np.int64)
         self.prompt_len[rows] = counts
         row_of = np.repeat(rows, counts)
-        positions = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = ranges(0, counts)
         tokens = host_to_device(np.asarray(msg.prompt_tokens, dtype=np.int64), self.device)
         row_t = host_to_device(row_of, self.device)
         self.token_pool[row_t, host_to_device(positions, self.device)] = tokens.to(torch.int32)
@@ -168,7 +168,7 @@ class LogitControls:
             self.bias_ids = _widen(self.bias_ids, (self.num_rows, _pow2(width)), 0, self.device)
             self.bias_values = _widen(self.bias_values, (self.num_rows, _pow2(width)), 0,
                                       self.device, torch.float32)
-        cols = np.arange(len(msg.bias_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        cols = ranges(0, counts)
         row_t, col_t, ids_t = (host_to_device(a, self.device) for a in (
             np.repeat(rows, counts), cols, np.asarray(msg.bias_ids, dtype=np.int64)))
         self.bias_ids[row_t, col_t] = ids_t
@@ -194,8 +194,7 @@ class LogitControls:
         length = self.ban_tokens.shape[2]
         seq_of = np.repeat(np.arange(len(rows)), lens)
         # Right-aligned: a sequence's last token goes in the last column.
-        col = length - np.repeat(lens, lens) + (np.arange(len(seq_of))
-                                                 - np.repeat(np.cumsum(lens) - lens, lens))
+        col = ranges(length - lens, lens)
         idx = [host_to_device(a, self.device) for a in (rows[seq_of], slot[seq_of], col)]
         self.ban_tokens[idx[0], idx[1], idx[2]] = host_to_device(
             np.asarray(msg.ban_tokens, dtype=np.int64), self.device)

@@ -22,7 +22,7 @@ from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import LogitControls, LogprobReport, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
-from minisgl_backend.engine.protocol import StepMessage, StepReply
+from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.kvcache.pool import PagedKVPool
@@ -69,13 +69,6 @@ class StepHandle:
             return StepReply(self._tokens)
         token_lp, top_ids, top_lp = self._extras
         return StepReply(self._tokens, self._lp_rows.astype(np.int32), token_lp, top_ids, top_lp)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + n) for each (s, n)."""
-    total = int(lengths.sum())
-    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
-    return offsets + np.arange(total)
 
 
 class Engine:
@@ -268,7 +261,7 @@ class Engine:
         if len(pages) == 0:
             return
         row_of_page = np.repeat(rows, counts)
-        cols = _ranges(self.row_pages[rows], counts)
+        cols = ranges(self.row_pages[rows], counts)
         row_t, col_t, page_t = stack_to_device([row_of_page, cols, pages], self.device)
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
         np.add.at(self.row_pages, rows, counts)
@@ -283,7 +276,7 @@ class Engine:
             num_prompt = int(lens.sum())
             row_of_token, positions, tokens = stack_to_device(
                 [np.concatenate([np.repeat(prefill_rows, lens), decode_rows]),
-                 np.concatenate([_ranges(starts, lens), self.row_len[decode_rows]]),
+                 np.concatenate([ranges(starts, lens), self.row_len[decode_rows]]),
                  np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
                                  np.zeros(len(decode_rows), np.int64)])], dev)
             prompt_tokens = tokens[:num_prompt].to(torch.int32)

@@ -51,6 +51,13 @@ def decode(data: bytes) -> tuple[int, dict[str, np.ndarray]]:
     return kind, arrays
 
 
+def ranges(starts: np.ndarray | int, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n): the positions of a ragged array's
+    flat elements (`ranges(0, counts)`: each element's index within its group)."""
+    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    return offsets + np.arange(int(lengths.sum()))
+
+
 def _array(dtype: str):  # noqa: ANN202 - a dataclass field
     return field(default_factory=list, metadata={"dtype": dtype})
 

@@ -4,8 +4,9 @@ Requests wait in arrival order. A request is admitted only when a table row is f
 it could ever need (whole prompt + max_tokens, minus its cached prefix) fits beside what the
 running requests have reserved, so admitted requests can always finish. The later samples of a
 request with n > 1 are held back (others pass them) until the first sample's prompt is computed
-and in the prefix cache, so that they share its KV instead of computing the prompt again. Each step computes at
-most `chunk_size` prompt tokens; a request cut by the budget continues first in the next step.
+and in the prefix cache, so that they share its KV instead of computing the prompt again.
+Each step computes at most `chunk_size` prompt tokens; a request cut by the budget continues
+first in the next step.
 """
 
 from __future__ import annotations

@@ -220,9 +220,7 @@ def _sampling_values(get: GetInput) -> tuple[dict[str, Any], dict[str, str]]:
         if value is None:
             continue
         if spec.kind == "float":
-            value = float(value)
-        elif spec.kind == "bool":
-            value = bool(value)
+            value = float(value)  # an integer tensor may feed a float input
         if spec.convert is not None:
             try:
                 value = spec.convert(value)
