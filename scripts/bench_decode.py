@@ -35,6 +35,7 @@ from minisgl_backend.benchmark.cli import (
     human_bytes,
     llm_kwargs,
     markdown_table,
+    percent,
     model_folder,
     print_header,
     torch_device,
@@ -139,7 +140,7 @@ def table_rows(args: argparse.Namespace, mini: dict[int, float], hf: dict[int, f
     for bs in args.batch_sizes:
         tps = bs * steps / mini[bs]
         row = [str(bs), str(args.new_tokens), f"{tps:.1f}", f"{1e3 * mini[bs] / steps:.3f}"]
-        row += [f"{roofline:.1f}", f"{tps / roofline:.1%}"] if bs == 1 else ["-", "-"]
+        row += [f"{roofline:.1f}", percent(tps / roofline)] if bs == 1 else ["-", "-"]
         if bs in hf:
             hf_tps = bs * steps / hf[bs]
             row += [f"{hf_tps:.1f}", f"{1e3 * hf[bs] / steps:.3f}", f"{tps / hf_tps:.2f}x"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl_backend.attention.base import AttentionBackend
-from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.benchmark.cli import markdown_table, percent
 from minisgl_backend.benchmark.hardware import measure_copy_bandwidth
 from minisgl_backend.benchmark.shapes import SHAPES
 from minisgl_backend.core import Batch
@@ -196,7 +196,7 @@ def bench_decode_case(args: argparse.Namespace, device: torch.device, copy_bw: f
         seconds = time_decode(make(), batch, page_table, q, args, device)
         rate = kv_bytes / seconds
         rows.append([shape, str(page_size), str(bs), str(context), name, f"{seconds * 1e6:.1f}",
-                     f"{rate / 1e9:,.0f}", f"{rate / copy_bw:.1%}" if copy_bw else "-"])
+                     f"{rate / 1e9:,.0f}", percent(rate / copy_bw) if copy_bw else "-"])
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -374,7 +374,7 @@ def bench_gemv(args: argparse.Namespace, device: torch.device, copy_bw: float
                 def row(label: str, seconds: float) -> list[str]:
                     rate = weight_bytes / seconds
                     return [shape, name, str(bs), label, f"{seconds * 1e6:.2f}",
-                            f"{rate / 1e9:,.0f}", f"{rate / copy_bw:.1%}" if copy_bw else "-"]
+                            f"{rate / 1e9:,.0f}", percent(rate / copy_bw) if copy_bw else "-"]
 
                 rows += time_each(paths, args, device, row)
                 if device.type == "cuda":

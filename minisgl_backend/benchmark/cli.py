@@ -109,6 +109,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.4g} {unit}"
 
 
+def percent(ratio: float) -> str:
+    """A share with one decimal, or three significant digits when it is below 1% (a tiny model's
+    share of a CPU roofline must not print as 0.0%)."""
+    return f"{ratio:.1%}" if abs(ratio) >= 0.01 or ratio == 0 else f"{100 * ratio:.3g}%"
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
