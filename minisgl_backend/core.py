@@ -221,6 +221,8 @@ class Req:
     max_device_len: int = 0
     prefix_hit_len: int = 0  # prompt tokens served from the prefix cache on admission
     admitted_step: int = -1  # the scheduler step that admitted it (-1: not admitted yet)
+    admitted_ns: int = 0  # when (time.time_ns())
+    reused_pages: int = 0  # pages of the prefix cache it took on admission
     cache_handle: Any = None
     pages: list[int] = field(default_factory=list)
     pages_sent: int = 0  # how many of `pages` the engine already has in its row

@@ -428,6 +428,14 @@ class Outcome:
     def text(self) -> str:
         return "".join(self.texts)
 
+    def add_outputs(self, outputs: dict[str, Any]) -> None:
+        """A response's optional outputs: the latest value of each, except num_output_tokens,
+        which counts the response's own tokens and so adds up over a stream."""
+        counted = self.outputs.get("num_output_tokens", 0) + outputs.get("num_output_tokens", 0)
+        self.outputs.update(outputs)
+        if "num_output_tokens" in self.outputs:
+            self.outputs["num_output_tokens"] = counted
+
 
 def _grpc_inputs(case: Case) -> list[grpcclient.InferInput]:
     return [_grpc_input(name, value) for name, value in case.fields.items()]
@@ -454,7 +462,7 @@ def send_grpc(server: TritonServer, case: Case) -> Outcome:
                 break
             outcome.texts.append(response.text)
             outcome.ids.extend(response.ids)
-            outcome.outputs.update(response.outputs)
+            outcome.add_outputs(response.outputs)
             if response.final:
                 outcome.finals += 1
                 break
@@ -551,8 +559,8 @@ def _sse_outcome(raw: bytes) -> Outcome:
             continue
         outcome.texts.append(event["text_output"])
         outcome.ids.extend(_as_ids(event.get("output_ids")))
-        outcome.outputs.update({k: event[k] for k in ("finish_reason", "num_output_tokens")
-                                if k in event})
+        outcome.add_outputs({k: event[k] for k in ("finish_reason", "num_output_tokens")
+                             if k in event})
     if outcome.error is None:
         outcome.finals = 1  # SSE has no final flag: the stream ended
         outcome.after_final = 0

@@ -195,21 +195,112 @@ def test_bad_text_input_names_the_field(tokenizer, inputs: dict, field: str) -> 
                                    "stop_words": np.array([[b"abcd"]], dtype=object)},
      "stop_words"),
 ])
-def test_request_limits_name_the_field(tokenizer, limits: dict, inputs: dict,  # noqa: ANN001
+def test_request_policy_name_the_field(tokenizer, limits: dict, inputs: dict,  # noqa: ANN001
                                        field: str) -> None:
-    from minisgl_backend.serving.request import RequestLimits
+    from minisgl_backend.serving.request import RequestPolicy
 
     getter_inputs = {"max_tokens": [[8]], **inputs}
     with pytest.raises(RequestError, match=field):
-        parse_engine_request(getter(**getter_inputs), 100, tokenizer, RequestLimits(**limits))
+        parse_engine_request(getter(**getter_inputs), 100, tokenizer, RequestPolicy(**limits))
     # the same request passes without the limit
     parse_engine_request(getter(**getter_inputs), 100, tokenizer)
 
 
-def test_request_limits_from_parameters() -> None:
-    from minisgl_backend.serving.settings import request_limits
+def test_request_policy_from_parameters() -> None:
+    from minisgl_backend.serving.settings import request_policy
 
-    limits = request_limits({"max_stop_words": "4", "max_prompt_tokens": "", "model": "x"})
+    limits = request_policy({"max_stop_words": "4", "max_prompt_tokens": "", "model": "x"})
     assert limits.max_stop_words == 4 and limits.max_prompt_tokens == 0
     with pytest.raises(ValueError, match="max_output_tokens"):
-        request_limits({"max_output_tokens": "-1"})
+        request_policy({"max_output_tokens": "-1"})
+    policy = request_policy({"exclude_input_in_output": "true", "max_logits_values": "10"})
+    assert policy.exclude_input_in_output and policy.max_logits_values == 10
+    with pytest.raises(ValueError, match="exclude_input_in_output"):
+        request_policy({"exclude_input_in_output": "maybe"})
+
+
+def test_exclude_input_in_output_defaults_to_the_model_parameter() -> None:
+    from minisgl_backend.serving.request import RequestPolicy
+
+    base = {"input_ids": [[5, 6]], "max_tokens": [[4]]}
+    excluding = RequestPolicy(exclude_input_in_output=True)
+    assert parse_engine_request(getter(**base), 10, limits=excluding).exclude_input
+    assert not parse_engine_request(getter(**base), 10).exclude_input
+    asked = getter(**base, exclude_input_in_output=np.array([[False]]))
+    assert not parse_engine_request(asked, 10, limits=excluding).exclude_input
+
+
+def words(*items: str) -> np.ndarray:
+    return np.array([[w.encode() for w in items]], dtype=object)
+
+
+def test_bad_words_and_embedding_bias_are_tokenized_as_tensorrt_llm_does(tokenizer) -> None:  # noqa: ANN001
+    """Bad words: each as written, without special tokens, empty ones skipped. Embedding bias:
+    each word with special tokens, every one of its tokens gets the word's weight (summed)."""
+    req = parse_engine_request(getter(
+        input_ids=[[5, 6]], max_tokens=[[4]], bad_words=words(" Paris", "", "New York"),
+        embedding_bias_words=words(" the", " the cat"),
+        embedding_bias_weights=np.array([[1.5, -4.0]], np.float32)), 10, tokenizer)
+    encode = lambda w: tokenizer.encode(w, add_special_tokens=False)  # noqa: E731
+    assert req.params.bad_token_ids == tuple(tuple(encode(w)) for w in (" Paris", "New York"))
+    the, = tokenizer.encode(" the")
+    bias = {t: -4.0 for t in tokenizer.encode(" the cat")}
+    bias[the] += 1.5
+    assert dict(req.params.logit_bias) == pytest.approx(bias)
+
+
+@pytest.mark.parametrize(("inputs", "field"), [
+    ({"embedding_bias_words": words("a", "b"),
+      "embedding_bias_weights": np.array([[1.0]], np.float32)}, "embedding_bias_weights"),
+    ({"embedding_bias_words": words("a"),
+      "embedding_bias_weights": np.array([[101.0]], np.float32)}, "embedding_bias_weights"),
+    ({"embedding_bias_words": words("a"),
+      "embedding_bias_weights": np.array([[np.inf]], np.float32)}, "embedding_bias_weights"),
+    ({"bad_words": np.array([[1]], np.int32)}, "bad_words"),
+    ({"bad_words": words(*"abcdefghijklmnopqrstuvwxyz0123456789")}, "bad_words"),
+    ({"lora_task_id": np.array([[3]], np.uint64)}, "lora_task_id"),
+    ({"prompt_embedding_table": np.zeros((1, 2, 4), np.float16)}, "prompt_embedding_table"),
+    ({"guided_decoding_guide_type": words("json")}, "guided_decoding_guide_type"),
+    ({"num_draft_tokens": np.array([[2]], np.int32)}, "num_draft_tokens"),
+    ({"return_context_logits": np.array([[True]]), "input_ids": [list(range(11))]},
+     "return_context_logits"),
+    ({"return_generation_logits": np.array([[True]]), "max_tokens": [[11]]},
+     "return_generation_logits"),
+])
+def test_bad_word_and_feature_inputs_name_the_input(tokenizer, inputs: dict,  # noqa: ANN001
+                                                    field: str) -> None:
+    from minisgl_backend.serving.request import RequestPolicy
+
+    base = {"input_ids": [[5, 6]], "max_tokens": [[4]]}
+    policy = RequestPolicy(max_logits_values=10 * 49152)  # logits of 10 tokens
+    with pytest.raises(RequestError, match=field):
+        parse_engine_request(getter(**{**base, **inputs}), 100, tokenizer, policy, 49152)
+
+
+def test_end_id_takes_the_place_of_eos() -> None:
+    p = parse(end_id=np.array([[9]], np.int32)).params
+    assert p.stop_token_ids == (9,) and p.ignore_eos
+    p = parse(end_id=np.array([[-1]], np.int32)).params
+    assert not p.stop_token_ids and not p.ignore_eos
+
+
+def test_a_failing_chat_template_names_text_input() -> None:
+    class Broken:
+        def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+            raise RuntimeError("Conversation roles must alternate")
+
+    get = getter(text_input=words("hi"), apply_chat_template=np.array([[True]]),
+                 max_tokens=[[4]])
+    with pytest.raises(RequestError, match="text_input.*alternate"):
+        parse_engine_request(get, 10, Broken())
+
+
+def test_refused_inputs_are_declared_with_tensorrt_llm_types() -> None:
+    from minisgl_backend.serving.interface import inputs_of, refused_inputs
+
+    declared = {i.name: (i.data_type, i.dims) for i in inputs_of("ensemble")}
+    assert declared["lora_weights"] == ("TYPE_FP16", (-1, -1))
+    assert declared["lora_config"] == ("TYPE_INT32", (-1, 3))
+    assert {i.name for i in refused_inputs()} >= {
+        "lora_task_id", "lora_weights", "lora_config", "prompt_embedding_table",
+        "prompt_vocab_size", "guided_decoding_guide_type", "guided_decoding_guide"}

@@ -97,12 +97,16 @@ def test_grpc_and_sse_streams_equal_non_streaming_text(server: TritonServer,
     assert [("finish_reason" in e) for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1]["finish_reason"] == "length"
 
-    # without exclude_input_in_output the non-streaming text starts with the prompt
-    full = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    # exclude_input_in_output false: the non-streaming text starts with the prompt; unset: the
+    # model's parameter decides (true in the shipped repository, as TensorRT-LLM's knob)
+    full = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
+                                  "exclude_input_in_output": False})
     assert full.status == 200, full.body
     prompt_text = tokenizer.decode(encode_prompt(tokenizer, PROMPT), skip_special_tokens=True)
     assert full.text == prompt_text + reference.text
     assert full.ids == reference.ids
+    unset = http_generate(server, {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    assert (unset.text, unset.ids) == (reference.text, reference.ids)
 
 
 # ----- 2. the server equals the offline API and HF transformers -------------------------------
@@ -122,11 +126,25 @@ def test_server_equals_offline_api_and_hf(server: TritonServer, reference: HttpR
 
 
 def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer,
-                                                            default_model: Path) -> None:
+                                                            default_model: Path,
+                                                            reference: HttpResult,
+                                                            tokenizer) -> None:  # noqa: ANN001
     """The sampling inputs as TensorRT-LLM's and LlamaIndex's clients send them (beam_width 1,
-    length_penalty, random_seed, top_p 0 and top_k 0 meaning off, the penalties, min_p) give
+    length_penalty, random_seed, top_p 0 and top_k 0 meaning off, the penalties, min_p, bad
+    words and embedding bias tokenized as its preprocessing does, end_id in place of EOS) give
     exactly what the same SamplingParams give through the offline API, on both models."""
+    first_word = tokenizer.decode(reference.ids[:1])
+    bias = {t: -3.0 for t in tokenizer.encode(" the")}
+    for t in tokenizer.encode(" a"):
+        bias[t] = bias.get(t, 0.0) + 2.0
+    end_id = reference.ids[5]
     cases = [
+        ({"bad_words": [first_word, ""], "embedding_bias_words": [" the", " a"],
+          "embedding_bias_weights": [-3.0, 2.0]},
+         SamplingParams(max_tokens=MAX_TOKENS, logit_bias=bias,
+                        bad_token_ids=[tokenizer.encode(first_word, add_special_tokens=False)])),
+        ({"end_id": end_id},
+         SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[end_id], ignore_eos=True)),
         ({"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4,
           "beam_width": 1, "length_penalty": 1.0, "top_p": 0.0, "top_k": 0},
          SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5,
@@ -145,10 +163,47 @@ def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer
                 model=model)
             assert_one_final_last(got)
             assert got.ids == expected.token_ids and got.text == expected.text, (model, options)
-    plain = grpc_generate(server, ensemble_inputs(PROMPT, MAX_TOKENS, stream=True))
-    assert plain.ids != offline[0].token_ids  # the penalties really changed the answer
+    # each case really changed the answer
+    assert all(o.token_ids != reference.ids for o in offline), [o.token_ids for o in offline]
+    assert offline[1].token_ids == reference.ids[:6]  # ends at end_id, which it includes
     refused = grpc_generate(server, ensemble_inputs(PROMPT, 4, beam_width=4))
     assert refused.errors and "beam_width" in str(refused.errors[0]), refused
+
+
+@pytest.mark.parametrize("name, value", [
+    ("lora_task_id", tensor("lora_task_id", 3, "UINT64")),
+    ("guided_decoding_guide_type", tensor("guided_decoding_guide_type", "json")),
+    ("prompt_vocab_size", tensor("prompt_vocab_size", 8, "INT32")),
+])
+def test_inputs_of_missing_features_are_refused_by_name(server: TritonServer, name: str,
+                                                        value) -> None:  # noqa: ANN001
+    """Declared (so that Triton passes them on), then refused by the model with their name."""
+    got = grpc_generate(server, ensemble_inputs(PROMPT, 4, stream=True) + [value])
+    assert got.errors and name in str(got.errors[0]), got
+    good_request_succeeds(server)
+
+
+def test_perf_metrics(server: TritonServer, tokenizer) -> None:  # noqa: ANN001
+    """`return_perf_metrics`: TensorRT-LLM's KV-cache and timing outputs on every response,
+    consistent with each other and with the prefix cache (the same prompt again reuses pages)."""
+    prompt = "Perf metrics of a prompt long enough to fill several pages. " * 6
+    inputs = ensemble_inputs(prompt, 6, stream=True, return_perf_metrics=True)
+    first = grpc_generate(server, inputs)
+    again = grpc_generate(server, inputs)
+    for got in (first, again):
+        assert_one_final_last(got)
+        last = got.last.outputs
+        assert last["arrival_time_ns"] <= last["first_scheduled_time_ns"] <= \
+            last["first_token_time_ns"] <= last["last_token_time_ns"] <= time.time_ns()
+        assert abs(last["arrival_time_ns"] - time.time_ns()) < 120e9
+        assert last["kv_cache_alloc_total_blocks"] == \
+            last["kv_cache_alloc_new_blocks"] + last["kv_cache_reused_blocks"] > 0
+        assert last["total_draft_tokens"] == 0 and last["acceptance_rate"] == [0.0]
+        assert all("kv_cache_alloc_total_blocks" in r.outputs for r in got.responses)
+    assert first.last.outputs["kv_cache_reused_blocks"] == 0
+    assert again.last.outputs["kv_cache_reused_blocks"] > 0
+    assert again.last.outputs["kv_cache_alloc_total_blocks"] == \
+        first.last.outputs["kv_cache_alloc_total_blocks"]
 
 
 def test_num_return_sequences_and_log_probs_equal_the_offline_api(server: TritonServer,
@@ -236,9 +291,14 @@ def test_chat_template_streaming_and_full_text(server: TritonServer, chat_result
     assert_one_final_last(streamed)
     assert streamed.text == as_user.text
     full = http_generate(server, {"text_input": CHAT_QUESTION, "max_tokens": 24,
-                                  "apply_chat_template": True})
+                                  "apply_chat_template": True, "exclude_input_in_output": False})
     prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
     assert full.text == tokenizer.decode(prompt_ids, skip_special_tokens=True) + as_user.text
+    # the chat answer alone, as Triton's OpenAI frontend (which sends no
+    # exclude_input_in_output) must get it: the shipped model excludes the prompt by default
+    answer = http_generate(server, {"text_input": CHAT_QUESTION, "max_tokens": 24,
+                                    "apply_chat_template": True})
+    assert answer.text == as_user.text
 
 
 # ----- 4. concurrent streams ------------------------------------------------------------------
@@ -406,7 +466,11 @@ def test_return_flags_streaming(server: TritonServer) -> None:
     assert [("finish_reason" in r.outputs) for r in result.responses] == \
         [False] * (len(result.responses) - 1) + [True]
     assert result.last.outputs["finish_reason"] == "length"
-    assert result.last.outputs["num_output_tokens"] == len(result.ids) == 6
+    # each response counts its own tokens (TensorRT-LLM's, vLLM's and the OpenAI frontend's
+    # reading): they add up to the whole output
+    counts = [r.outputs["num_output_tokens"] for r in result.responses]
+    assert counts == [len(r.ids) for r in result.responses]
+    assert sum(counts) == len(result.ids) == 6
 
 
 def test_cached_tokens_on_repeated_long_prompt(server: TritonServer, tokenizer) -> None:

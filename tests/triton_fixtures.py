@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from minisgl_backend.benchmark.tritonserver import Tritonserver, free_ports, http_status
+from minisgl_backend.serving.interface import PERF_METRICS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
@@ -333,8 +334,9 @@ class GrpcStream:
     """One bidirectional gRPC stream; responses of each request id collected in order."""
 
     OPTIONAL_OUTPUTS = ("num_input_tokens", "num_output_tokens", "cached_tokens", "finish_reason",
-                        "sequence_index")
-    FLOAT_OUTPUTS = ("output_log_probs", "cum_log_probs")  # read as lists of floats
+                        "sequence_index", "batch_index",
+                        *(name for name, data_type, _ in PERF_METRICS if "INT" in data_type))
+    FLOAT_OUTPUTS = ("output_log_probs", "cum_log_probs", "acceptance_rate")  # lists of floats
 
     def __init__(self, server: TritonServer) -> None:
         self.client = grpcclient.InferenceServerClient(server.grpc_url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -27,6 +28,12 @@ class RequestOutput:
     # likely tokens with theirs.
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # KV pages the request holds, those of them it took from the prefix cache, when it was
+    # admitted and when this output was made (time.time_ns()).
+    pages: int = 0
+    reused_pages: int = 0
+    admitted_ns: int = 0
+    emitted_ns: int = 0
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -96,7 +103,8 @@ class OutputTracker:
         out = RequestOutput(
             uid=req.uid, token_ids=tokens, text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,
-            error=error, index=req.index,
+            error=error, index=req.index, pages=len(req.pages), reused_pages=req.reused_pages,
+            admitted_ns=req.admitted_ns, emitted_ns=time.time_ns(),
         )
         top = req.sampling_params.logprobs
         if top is not None:

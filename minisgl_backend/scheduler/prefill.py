@@ -80,6 +80,7 @@ class PrefillManager:
         req.cache_handle = match.handle
         req.cached_len = req.device_len = req.prefix_hit_len = match.cached_len
         req.pages = list(match.pages)
+        req.reused_pages = len(match.pages)
         req.pages_sent = 0
         return need
 

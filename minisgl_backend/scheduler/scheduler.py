@@ -18,6 +18,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,8 +338,9 @@ class Scheduler:
     def _send_next_step(self) -> _SentStep | None:
         """Schedule, send and account one step (its computed tokens become cached)."""
         batch, admitted = self.prefill.schedule(list(self.decode.running.values()))
+        now = time.time_ns()
         for req in admitted:
-            req.admitted_step = self.num_steps
+            req.admitted_step, req.admitted_ns = self.num_steps, now
         is_prefill = bool(batch)
         num_prefill = len(batch)
         if not is_prefill:

@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 from minisgl_backend.llm import LLM
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.output import merge_deltas
+from minisgl_backend.serving.interface import PERF_METRICS
 from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
 from minisgl_backend.serving.metrics import EngineMetrics
 from minisgl_backend.serving.request import EngineRequest, RequestError, parse_engine_request
@@ -30,7 +31,7 @@ from minisgl_backend.serving.settings import (
     engine_settings,
     load_model_config,
     model_parameters,
-    request_limits,
+    request_policy,
     resolve_model_dir,
 )
 from minisgl_backend.serving.tensors import input_getter
@@ -43,6 +44,8 @@ CANCEL_POLL_SECONDS_PER_REQUEST = 0.0005
 MAX_OUTPUTS_PER_ROUND = 4096
 READY_CHECK_SECONDS = 0.5
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PERF_DTYPES = {name: pb_utils.triton_string_to_numpy(data_type)
+               for name, data_type, _ in PERF_METRICS}
 
 
 @dataclass
@@ -54,6 +57,8 @@ class SequenceState:
     logprobs: list[float] = field(default_factory=list)
     cum_logprob: float = 0.0
     finished: bool = False
+    first_token_ns: int = 0  # when its first and latest tokens were made (time.time_ns())
+    last_token_ns: int = 0
 
 
 @dataclass(eq=False)
@@ -63,7 +68,8 @@ class ActiveRequest:
     request: Any
     sender: Any
     parsed: EngineRequest
-    arrived: float
+    arrived: float  # time.monotonic()
+    arrived_ns: int  # time.time_ns()
     uid: int = -1
     cancelled: bool = False
     done: bool = False  # the final response was sent
@@ -87,7 +93,7 @@ class TritonPythonModel:
         parameters = model_parameters(config)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.llm = LLM(model_dir, **engine_settings(parameters))
-        self.limits = request_limits(parameters)
+        self.limits = request_policy(parameters)
         self.scheduler = self.llm.scheduler
         self.name = config["name"]
         self.ready_url = model_ready_url(os.getppid(), self.name)
@@ -119,6 +125,7 @@ class TritonPythonModel:
     def _submit(self, request: Any) -> None:
         sender = request.get_response_sender()
 
+        arrived, arrived_ns = time.monotonic(), time.time_ns()
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
                                           self.llm.tokenizer, self.limits, self.llm.vocab_size)
@@ -127,7 +134,12 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                         flags=FINAL)
             return
-        state = ActiveRequest(request, sender, parsed, time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - whatever fails, the request gets its final
+            logger.exception("reading a request failed")
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"the request could not be read: {type(exc).__name__}: {exc}")), flags=FINAL)
+            return
+        state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
         state.uid = self.scheduler.submit(parsed.prompt_ids, parsed.params,
                                           lambda out: self.outputs.put((state, out)))
         self.submitted.put(state)
@@ -293,6 +305,9 @@ class TritonPythonModel:
 
     @staticmethod
     def _add_tokens(seq: SequenceState, out: RequestOutput) -> None:
+        if out.token_ids:
+            seq.first_token_ns = seq.first_token_ns or out.emitted_ns
+            seq.last_token_ns = out.emitted_ns
         seq.token_ids.extend(out.token_ids)
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
@@ -315,8 +330,8 @@ class TritonPythonModel:
         ]
         if parsed.return_num_input_tokens:
             tensors.append(_int_tensor("num_input_tokens", out.prompt_tokens))
-        if parsed.return_num_output_tokens:
-            tensors.append(_int_tensor("num_output_tokens", len(seq.token_ids)))
+        if parsed.return_num_output_tokens:  # this response's tokens, as TensorRT-LLM counts
+            tensors.append(_int_tensor("num_output_tokens", len(token_ids)))
         if parsed.return_cached_tokens:
             tensors.append(_int_tensor("cached_tokens", out.cached_tokens))
         if parsed.return_finish_reason and out.finished:
@@ -325,11 +340,15 @@ class TritonPythonModel:
                                           dtype=np.object_)))
         if parsed.params.n > 1:
             tensors.append(_int_tensor("sequence_index", out.index))
+            tensors.append(_int_tensor("batch_index", 0))
         if parsed.return_log_probs:
             tensors.append(pb_utils.Tensor("output_log_probs",
                                            np.asarray([[logprobs]], dtype=np.float32)))
             tensors.append(pb_utils.Tensor("cum_log_probs",
                                            np.asarray([[seq.cum_logprob]], dtype=np.float32)))
+        if parsed.return_perf_metrics:
+            tensors += [pb_utils.Tensor(name, np.asarray([[value]], dtype=PERF_DTYPES[name]))
+                        for name, value in perf_metrics(state.arrived_ns, seq, out).items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self) -> None:
@@ -346,6 +365,23 @@ def _group_by_request(items: list[tuple[ActiveRequest, RequestOutput]]
     for state, out in items:
         groups.setdefault((id(state), out.index), (state, []))[1].append(out)
     return list(groups.values())
+
+
+def perf_metrics(arrived_ns: int, seq: SequenceState, out: RequestOutput) -> dict[str, float]:
+    """The `return_perf_metrics` outputs of a sequence's response, by name (no speculative
+    decoding yet: no draft tokens)."""
+    return {
+        "kv_cache_alloc_new_blocks": out.pages - out.reused_pages,
+        "kv_cache_reused_blocks": out.reused_pages,
+        "kv_cache_alloc_total_blocks": out.pages,
+        "arrival_time_ns": arrived_ns,
+        "first_scheduled_time_ns": out.admitted_ns,
+        "first_token_time_ns": seq.first_token_ns,
+        "last_token_time_ns": seq.last_token_ns,
+        "acceptance_rate": 0.0,
+        "total_accepted_draft_tokens": 0,
+        "total_draft_tokens": 0,
+    }
 
 
 def _int_tensor(name: str, value: int) -> Any:

@@ -16,15 +16,21 @@ from typing import Callable, Literal
 
 Model = Literal["ensemble", "preprocessing", "minisgl"]
 _CLIENT: tuple[Model, ...] = ("ensemble", "minisgl")  # inputs a client sends either model
-_KINDS = {"TYPE_FP32": "float", "TYPE_INT32": "int", "TYPE_UINT64": "int", "TYPE_BOOL": "bool",
-          "TYPE_STRING": "text"}
+_KINDS = {"TYPE_FP32": "float", "TYPE_FP16": "float", "TYPE_INT32": "int", "TYPE_INT64": "int",
+          "TYPE_UINT64": "int", "TYPE_BOOL": "bool", "TYPE_STRING": "text"}
 
 
 @dataclass(frozen=True)
 class TritonInput:
     """One request input. `feeds`: the `SamplingParams` field set from its value (after
     `convert`, TensorRT-LLM's conventions such as 0 meaning "off"; it raises ValueError naming
-    the input), None when the parser reads it itself; `models`: which models declare it."""
+    the input), None when the parser reads it itself; `models`: which models declare it;
+    `refused`: why a request that gives it is refused (a feature we do not have: the
+    input is declared so that the error names it, never Triton's "unexpected input").
+
+    Every input is declared optional, `text_input` and `max_tokens` too (the models check
+    them): Triton 2.51 checks only the number of inputs of an ensemble, and one missing a
+    required input ends with an empty final response instead of an error."""
 
     name: str
     data_type: str
@@ -33,6 +39,7 @@ class TritonInput:
     feeds: str | None = None
     convert: Callable[[object], object] | None = None
     models: tuple[Model, ...] = _CLIENT
+    refused: str | None = None
 
     @property
     def kind(self) -> str:
@@ -91,8 +98,15 @@ INPUTS: tuple[TritonInput, ...] = (
                 feeds="frequency_penalty"),
     TritonInput("stop_words", "TYPE_STRING", "stop strings (the text is cut before them; empty "
                 "strings: none)", dims=(-1,)),
-    TritonInput("end_id", "TYPE_INT32", "an extra token id that ends generation like EOS "
-                "(-1: none)"),
+    TritonInput("bad_words", "TYPE_STRING", "words never generated: each is tokenized as "
+                "written (no special tokens) and its last token is banned after the others "
+                "(empty strings: none)", dims=(-1,)),
+    TritonInput("embedding_bias_words", "TYPE_STRING", "words whose tokens get a logit bias "
+                "(each tokenized with special tokens, as TensorRT-LLM does)", dims=(-1,)),
+    TritonInput("embedding_bias_weights", "TYPE_FP32", "one bias per `embedding_bias_words` "
+                "entry, added to each of its tokens' logits (sums in [-100, 100])", dims=(-1,)),
+    TritonInput("end_id", "TYPE_INT32", "the token id that ends generation, in place of the "
+                "model's EOS (-1: the model's)"),
     TritonInput("pad_id", "TYPE_INT32", "accepted for compatibility: responses carry no "
                 "padding"),
     TritonInput("ignore_eos", "TYPE_BOOL", "keep generating after EOS", feeds="ignore_eos"),
@@ -107,11 +121,51 @@ INPUTS: tuple[TritonInput, ...] = (
     TritonInput("return_log_probs", "TYPE_BOOL", "add `output_log_probs` (each token's "
                 "log-probability under the model) and `cum_log_probs`"),
     TritonInput("exclude_input_in_output", "TYPE_BOOL", "non-streaming only: leave the prompt "
-                "out of `text_output` (streaming never repeats it)"),
+                "out of `text_output` (streaming never repeats it); unset: the model's "
+                "`exclude_input_in_output` parameter (true as shipped)"),
+    TritonInput("return_context_logits", "TYPE_BOOL", "add `context_logits` (the prompt's "
+                "logits; the prompt is then computed in full, without the prefix cache)"),
+    TritonInput("return_generation_logits", "TYPE_BOOL", "add `generation_logits` (each "
+                "generated token's raw logits)"),
+    TritonInput("return_perf_metrics", "TYPE_BOOL", "add the request's KV-cache and timing "
+                "outputs (`kv_cache_*`, `*_time_ns`, draft-token counts)"),
     TritonInput("return_num_input_tokens", "TYPE_BOOL", "add `num_input_tokens`"),
     TritonInput("return_num_output_tokens", "TYPE_BOOL", "add `num_output_tokens`"),
     TritonInput("return_finish_reason", "TYPE_BOOL", "add `finish_reason`"),
     TritonInput("return_cached_tokens", "TYPE_BOOL", "add `cached_tokens`"),
+    # TensorRT-LLM inputs of features this engine does not have.
+    *(TritonInput(name, data_type, "refused: " + why, dims=dims, refused=why)
+      for name, data_type, dims, why in (
+          ("decoder_text_input", "TYPE_STRING", (1,), "encoder-decoder models are not supported"),
+          ("lora_task_id", "TYPE_UINT64", (1,), "LoRA adapters are not supported"),
+          ("lora_weights", "TYPE_FP16", (-1, -1), "LoRA adapters are not supported"),
+          ("lora_config", "TYPE_INT32", (-1, 3), "LoRA adapters are not supported"),
+          ("prompt_embedding_table", "TYPE_FP16", (-1, -1), "prompt tables are not supported"),
+          ("prompt_table_extra_id", "TYPE_UINT64", (1,), "prompt tables are not supported"),
+          ("prompt_vocab_size", "TYPE_INT32", (1,), "prompt tables are not supported"),
+          ("guided_decoding_guide_type", "TYPE_STRING", (1,),
+           "guided decoding is not supported yet"),
+          ("guided_decoding_guide", "TYPE_STRING", (1,), "guided decoding is not supported yet"),
+          ("num_draft_tokens", "TYPE_INT32", (1,), "draft-model speculative decoding is not "
+           "supported"),
+          ("use_draft_logits", "TYPE_BOOL", (1,), "draft-model speculative decoding is not "
+           "supported"),
+      )),
+)
+
+# `return_perf_metrics` outputs, TensorRT-LLM's (last response); the draft-token ones are 0
+# until speculative decoding exists.
+PERF_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("kv_cache_alloc_new_blocks", "TYPE_INT32", "KV pages allocated for the request"),
+    ("kv_cache_reused_blocks", "TYPE_INT32", "KV pages reused from the prefix cache"),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32", "the two together"),
+    ("arrival_time_ns", "TYPE_INT64", "when the request reached the engine model (Unix ns)"),
+    ("first_scheduled_time_ns", "TYPE_INT64", "when the scheduler admitted it"),
+    ("first_token_time_ns", "TYPE_INT64", "when its first token was sampled"),
+    ("last_token_time_ns", "TYPE_INT64", "when its last token was sampled"),
+    ("acceptance_rate", "TYPE_FP32", "accepted / proposed draft tokens"),
+    ("total_accepted_draft_tokens", "TYPE_INT32", "draft tokens accepted"),
+    ("total_draft_tokens", "TYPE_INT32", "draft tokens proposed"),
 )
 
 OUTPUTS: tuple[TritonOutput, ...] = (
@@ -119,7 +173,8 @@ OUTPUTS: tuple[TritonOutput, ...] = (
     TritonOutput("output_ids", "TYPE_INT32", "the generated token ids (EOS included when it "
                  "ends generation)", dims=(-1,)),
     TritonOutput("num_input_tokens", "TYPE_INT32", "prompt tokens"),
-    TritonOutput("num_output_tokens", "TYPE_INT32", "generated tokens so far"),
+    TritonOutput("num_output_tokens", "TYPE_INT32", "tokens in this response (streaming: "
+                 "they add up to the sequence's)"),
     TritonOutput("cached_tokens", "TYPE_INT32", "prompt tokens served from the prefix cache"),
     TritonOutput("finish_reason", "TYPE_STRING", "`stop` or `length` (last response)"),
     TritonOutput("sequence_index", "TYPE_INT32", "which of `num_return_sequences` the response "
@@ -128,6 +183,13 @@ OUTPUTS: tuple[TritonOutput, ...] = (
                  "([1, tokens])", dims=(-1, -1)),
     TritonOutput("cum_log_probs", "TYPE_FP32", "their running sum over the sequence",
                  dims=(-1,)),
+    TritonOutput("batch_index", "TYPE_INT32", "the request's item (always 0: one prompt per "
+                 "request; sent with `sequence_index`)"),
+    TritonOutput("context_logits", "TYPE_FP32", "the prompt's logits, [prompt tokens, "
+                 "vocabulary] (first response)", dims=(-1, -1)),
+    TritonOutput("generation_logits", "TYPE_FP32", "the response's tokens' raw logits, "
+                 "[1, tokens, vocabulary]", dims=(-1, -1, -1)),
+    *(TritonOutput(name, data_type, doc) for name, data_type, doc in PERF_METRICS),
 )
 
 # preprocessing's output, mapped to minisgl's `input_ids` inside the ensemble.
@@ -136,6 +198,10 @@ PREPROCESSING_OUTPUTS = (TritonOutput("input_ids", "TYPE_INT32", "prompt token i
 
 def inputs_of(model: Model) -> list[TritonInput]:
     return [i for i in INPUTS if model in i.models]
+
+
+def refused_inputs() -> list[TritonInput]:
+    return [i for i in INPUTS if i.refused is not None]
 
 
 def sampling_inputs() -> list[TritonInput]:

@@ -12,7 +12,7 @@ from minisgl_backend.serving.request import RequestError, prompt_token_ids
 from minisgl_backend.serving.settings import (
     load_model_config,
     model_parameters,
-    request_limits,
+    request_policy,
     resolve_model_dir,
 )
 from minisgl_backend.serving.tensors import input_getter
@@ -24,7 +24,7 @@ class TritonPythonModel:
 
         config = load_model_config(args)
         parameters = model_parameters(config)
-        self.limits = request_limits(parameters)
+        self.limits = request_policy(parameters)
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         exit_with_server(config["name"])

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
-from minisgl_backend.serving.interface import sampling_inputs
+from minisgl_backend.serving.interface import refused_inputs, sampling_inputs
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
@@ -25,14 +25,21 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
-class RequestLimits:
-    """What one request may take (config.pbtxt parameters; 0 means the engine's own limit)."""
+class RequestPolicy:
+    """What one request may take, and the defaults of what it does not say (config.pbtxt
+    parameters of the same names; a limit of 0 means the engine's own)."""
 
     max_input_bytes: int = 1 << 20  # text_input before tokenization
     max_prompt_tokens: int = 0
     max_output_tokens: int = 0
-    max_stop_words: int = 32
-    max_stop_word_length: int = 256  # characters
+    max_stop_words: int = 32  # entries of stop_words, bad_words, embedding_bias_words each
+    max_stop_word_length: int = 256  # characters per entry
+    # Context and generation logits are [tokens, vocabulary] float32 tensors: at most this many
+    # values per request (prompt tokens x vocabulary, max_tokens x vocabulary).
+    max_logits_values: int = 1 << 26
+    # For requests that send no exclude_input_in_output (TensorRT-LLM's model parameter):
+    # non-streaming text without the prompt in front.
+    exclude_input_in_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class EngineRequest:
     return_finish_reason: bool
     return_cached_tokens: bool
     return_log_probs: bool = False
+    return_perf_metrics: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
 
 _KIND_CHECK = {
@@ -81,14 +91,37 @@ def decode_text(value: Any, name: str) -> str:
     raise RequestError(f"{name} must be a string")
 
 
-def text_list(get: GetInput, name: str) -> list[str]:
-    """All strings of an optional STRING input (any shape), empty strings dropped."""
+def text_list(get: GetInput, name: str, limits: RequestPolicy,
+              keep_empty: bool = False) -> list[str]:
+    """All strings of an optional STRING input (any shape), empty strings dropped unless
+    `keep_empty`, within the limits on entries and their length."""
     array = get(name)
     if array is None:
         return []
     if array.dtype.kind not in "OSU":
         raise RequestError(f"{name} must be STRING, got dtype {array.dtype}")
-    return [s for s in (decode_text(v, name) for v in array.reshape(-1)) if s]
+    words = [decode_text(v, name) for v in array.reshape(-1)]
+    words = words if keep_empty else [w for w in words if w]
+    if len(words) > limits.max_stop_words:
+        raise RequestError(f"{name} has {len(words)} entries; the limit is "
+                           f"{limits.max_stop_words}")
+    if any(len(word) > limits.max_stop_word_length for word in words):
+        raise RequestError(f"{name} entries may have {limits.max_stop_word_length} characters "
+                           f"at most")
+    return words
+
+
+def float_list(get: GetInput, name: str) -> list[float]:
+    """All values of an optional float input (any shape), each finite."""
+    array = get(name)
+    if array is None:
+        return []
+    if not _KIND_CHECK["float"](array):
+        raise RequestError(f"{name} must be float, got dtype {array.dtype}")
+    values = [float(v) for v in array.reshape(-1)]
+    if not all(math.isfinite(v) for v in values):
+        raise RequestError(f"{name} must hold finite numbers")
+    return values
 
 
 def chat_messages(text: str) -> list[dict[str, str]]:
@@ -109,7 +142,7 @@ def chat_messages(text: str) -> list[dict[str, str]]:
 
 
 def prompt_token_ids(get: GetInput, tokenizer: Any,
-                     limits: RequestLimits = RequestLimits()) -> list[int]:
+                     limits: RequestPolicy = RequestPolicy()) -> list[int]:
     """`text_input` (plain, or chat when `apply_chat_template`) as the prompt's token ids."""
     texts = get("text_input")
     if texts is None:
@@ -124,11 +157,16 @@ def prompt_token_ids(get: GetInput, tokenizer: Any,
     if not text.strip():
         raise RequestError("text_input is empty")
     if scalar(get, "apply_chat_template", "bool", False):
-        return encode_chat(tokenizer, chat_messages(text))
+        messages = chat_messages(text)
+        try:
+            return encode_chat(tokenizer, messages)
+        except Exception as exc:  # noqa: BLE001 - a model's template may raise anything
+            raise RequestError(f"text_input: the model's chat template failed on these "
+                               f"messages: {exc}") from None
     return encode_prompt(tokenizer, text)
 
 
-def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits, vocab_size: int) -> list[int]:
+def _prompt(get: GetInput, tokenizer: Any, limits: RequestPolicy, vocab_size: int) -> list[int]:
     """Token ids from preprocessing (`input_ids`), or `text_input` tokenized here."""
     ids = get("input_ids")
     if ids is None:
@@ -150,25 +188,21 @@ def _prompt(get: GetInput, tokenizer: Any, limits: RequestLimits, vocab_size: in
 
 
 def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = None,
-                         limits: RequestLimits = RequestLimits(),
+                         limits: RequestPolicy = RequestPolicy(),
                          vocab_size: int = 0) -> EngineRequest:
     """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
     text when called directly) and the generation settings. Token ids (`input_ids`, `end_id`)
     must be below `vocab_size` when it is given: the engine indexes its embedding and logits
-    with them."""
+    with them. `tokenizer` tokenizes `bad_words` and `embedding_bias_words`."""
+    for spec in refused_inputs():
+        if get(spec.name) is not None:
+            raise RequestError(f"{spec.name}: {spec.refused}")
     prompt_ids = _prompt(get, tokenizer, limits, vocab_size)
     if limits.max_prompt_tokens and len(prompt_ids) > limits.max_prompt_tokens:
         raise RequestError(f"text_input has {len(prompt_ids)} tokens; the limit is "
                            f"{limits.max_prompt_tokens}")
     if limits.max_output_tokens:
         max_tokens_limit = min(max_tokens_limit, limits.max_output_tokens)
-    stop = text_list(get, "stop_words")
-    if len(stop) > limits.max_stop_words:
-        raise RequestError(f"stop_words has {len(stop)} entries; the limit is "
-                           f"{limits.max_stop_words}")
-    if any(len(word) > limits.max_stop_word_length for word in stop):
-        raise RequestError(f"stop_words entries may have {limits.max_stop_word_length} "
-                           f"characters at most")
     values, given_as = _sampling_values(get)
     max_tokens = values.get("max_tokens")
     if max_tokens is None:
@@ -178,6 +212,9 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     end_id = scalar(get, "end_id", "int")
     if end_id is not None and vocab_size and end_id >= vocab_size:
         raise RequestError(f"end_id must be a token id below {vocab_size} (or -1), got {end_id}")
+    if end_id is not None and end_id >= 0:  # TensorRT-LLM: end_id takes the place of EOS
+        values["stop_token_ids"], values["ignore_eos"] = [end_id], True
+        given_as["stop_token_ids"] = "end_id"
     beam_width = scalar(get, "beam_width", "int", 1)
     if beam_width != 1:
         raise RequestError(f"beam_width must be 1 (beam search is not supported), got "
@@ -187,12 +224,18 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     return_log_probs = bool(scalar(get, "return_log_probs", "bool", False))
     if return_log_probs:
         values["logprobs"] = 0  # the sampled tokens' log-probabilities, no alternatives
+    values.update(_word_controls(get, tokenizer, limits, given_as))
+    flags = {name: bool(scalar(get, name, "bool", False)) for name in (
+        "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason",
+        "return_cached_tokens", "return_perf_metrics", "return_context_logits",
+        "return_generation_logits")}
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+    _check_logits_size(flags, len(prompt_ids), max_tokens, vocab, limits)
+    for name in ("return_context_logits", "return_generation_logits"):
+        if flags[name]:
+            raise RequestError(f"{name}: logits outputs are not supported yet")
     try:
-        params = SamplingParams(
-            **values,
-            stop=stop or None,
-            stop_token_ids=[end_id] if end_id is not None and end_id >= 0 else None,
-        )
+        params = SamplingParams(**values)
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise RequestError(str(exc).replace(field, given_as.get(field, field), 1)) from None
@@ -200,13 +243,54 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
         prompt_ids=prompt_ids,
         params=params,
         stream=bool(scalar(get, "stream", "bool", False)),
-        exclude_input=bool(scalar(get, "exclude_input_in_output", "bool", False)),
-        return_num_input_tokens=bool(scalar(get, "return_num_input_tokens", "bool", False)),
-        return_num_output_tokens=bool(scalar(get, "return_num_output_tokens", "bool", False)),
-        return_finish_reason=bool(scalar(get, "return_finish_reason", "bool", False)),
-        return_cached_tokens=bool(scalar(get, "return_cached_tokens", "bool", False)),
+        exclude_input=bool(scalar(get, "exclude_input_in_output", "bool",
+                                  limits.exclude_input_in_output)),
         return_log_probs=return_log_probs,
+        **flags,
     )
+
+
+def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
+                   given_as: dict[str, str]) -> dict[str, Any]:
+    """`stop`, `bad_token_ids` and `logit_bias` from the word inputs, tokenized as
+    TensorRT-LLM's preprocessing does: bad words as written without special tokens, embedding
+    bias words with them (each of a word's tokens gets the word's weight; weights add up)."""
+    values: dict[str, Any] = {}
+    stop = text_list(get, "stop_words", limits)
+    if stop:
+        values["stop"] = stop
+    bad = text_list(get, "bad_words", limits)
+    bias_words = text_list(get, "embedding_bias_words", limits, keep_empty=True)
+    bias_weights = float_list(get, "embedding_bias_weights")
+    if len(bias_words) != len(bias_weights):
+        raise RequestError(f"embedding_bias_weights must have one weight per "
+                           f"embedding_bias_words entry: {len(bias_weights)} weights for "
+                           f"{len(bias_words)} words")
+    if (bad or bias_words) and tokenizer is None:
+        raise RequestError("bad_words and embedding_bias_words need the model's tokenizer")
+    sequences = [ids for ids in (tokenizer.encode(w, add_special_tokens=False) for w in bad)
+                 if ids]
+    if sequences:
+        values["bad_token_ids"] = [list(ids) for ids in sequences]
+        given_as["bad_token_ids"] = "bad_words"
+    bias: dict[int, float] = {}
+    for word, weight in zip(bias_words, bias_weights):
+        for token in tokenizer.encode(word):
+            bias[token] = bias.get(token, 0.0) + weight
+    if bias:
+        values["logit_bias"] = bias
+        given_as["logit_bias"] = "embedding_bias_weights"
+    return values
+
+
+def _check_logits_size(flags: dict[str, bool], prompt_tokens: int, max_tokens: int,
+                       vocab: int, limits: RequestPolicy) -> None:
+    for name, tokens in (("return_context_logits", prompt_tokens),
+                         ("return_generation_logits", max_tokens)):
+        if flags[name] and tokens * vocab > limits.max_logits_values:
+            raise RequestError(f"{name}: {tokens} tokens x {vocab} vocabulary entries exceed "
+                               f"the limit of {limits.max_logits_values} values (parameter "
+                               f"max_logits_values)")
 
 
 def _sampling_values(get: GetInput) -> tuple[dict[str, Any], dict[str, str]]:

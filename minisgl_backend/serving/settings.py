@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from minisgl_backend.serving.request import RequestLimits
+from minisgl_backend.serving.request import RequestPolicy
 
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # relative to the repository root
 
@@ -53,9 +54,7 @@ def engine_settings(parameters: dict[str, str]) -> dict[str, Any]:
         if not value:
             continue
         if kind == "bool":
-            if value.lower() not in _BOOLS:
-                raise ValueError(f"parameter {key} must be true or false, got {value!r}")
-            settings[name] = _BOOLS[value.lower()]
+            settings[name] = _bool(key, value)
             continue
         try:
             settings[name] = kind(value)
@@ -64,24 +63,30 @@ def engine_settings(parameters: dict[str, str]) -> dict[str, Any]:
     return settings
 
 
-_LIMIT_PARAMETERS = ("max_input_bytes", "max_prompt_tokens", "max_output_tokens",
-                     "max_stop_words", "max_stop_word_length")
-
-
-def request_limits(parameters: dict[str, str]) -> RequestLimits:
-    """The per-request limits among the parameters (unset ones keep their defaults)."""
-    values = {}
-    for key in _LIMIT_PARAMETERS:
-        value = parameters.get(key, "").strip()
+def request_policy(parameters: dict[str, str]) -> RequestPolicy:
+    """The per-request limits and defaults among the parameters (each field of
+    `RequestPolicy` is a parameter of its name; unset ones keep their defaults)."""
+    values: dict[str, Any] = {}
+    for spec in dataclasses.fields(RequestPolicy):
+        value = parameters.get(spec.name, "").strip()
         if not value:
             continue
+        if spec.type == "bool":
+            values[spec.name] = _bool(spec.name, value)
+            continue
         try:
-            values[key] = int(value)
+            values[spec.name] = int(value)
         except ValueError:
-            raise ValueError(f"parameter {key} must be int, got {value!r}") from None
-        if values[key] < 0:
-            raise ValueError(f"parameter {key} must be >= 0, got {value!r}")
-    return RequestLimits(**values)
+            raise ValueError(f"parameter {spec.name} must be int, got {value!r}") from None
+        if values[spec.name] < 0:
+            raise ValueError(f"parameter {spec.name} must be >= 0, got {value!r}")
+    return RequestPolicy(**values)
+
+
+def _bool(key: str, value: str) -> bool:
+    if value.lower() not in _BOOLS:
+        raise ValueError(f"parameter {key} must be true or false, got {value!r}")
+    return _BOOLS[value.lower()]
 
 
 def load_model_config(args: dict[str, str]) -> dict[str, Any]:
