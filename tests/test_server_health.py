@@ -82,8 +82,15 @@ def test_model_ready_reads_the_status(http_server: tuple[str, dict[str, int]]) -
     base, statuses = http_server
     statuses["/v2/models/a/ready"] = 200
     statuses["/v2/models/b/ready"] = 400
+    statuses["/v2/models/c/ready"] = 503
     assert model_ready(f"{base}/v2/models/a/ready") == Readiness.READY
     assert model_ready(f"{base}/v2/models/b/ready") == Readiness.NOT_READY
+    assert model_ready(f"{base}/v2/models/c/ready") == Readiness.NOT_READY
+    # a restricted or authenticated endpoint, or a wrong URL, says nothing about the model: the
+    # engine model must not end its requests over it (it asks the stub instead)
+    for status, name in ((401, "d"), (403, "e"), (404, "f")):
+        statuses[f"/v2/models/{name}/ready"] = status
+        assert model_ready(f"{base}/v2/models/{name}/ready") == Readiness.NO_ANSWER, status
 
 
 def test_a_closed_endpoint_is_refused_and_silence_is_no_answer() -> None:

@@ -57,20 +57,26 @@ def model_ready_url(server_pid: int, model_name: str) -> str | None:
     return f"http://{host}:{port}/v2/models/{urllib.parse.quote(model_name)}/ready"
 
 
+# Triton answers 400 for a model that is not ready (the server stopping unloads it); 503 is an
+# unavailable server. Other statuses (401/403 of a restricted or authenticated endpoint, 404 of
+# a wrong guess of the URL) say nothing about the model.
+NOT_READY_STATUSES = (400, 503)
+
+
 class Readiness(enum.Enum):
     READY = "ready"  # 200
-    NOT_READY = "not ready"  # an HTTP error status: not ready, or the server is stopping
+    NOT_READY = "not ready"  # 400 / 503: not ready, or the server is stopping
     REFUSED = "refused"  # nothing listens: a stopping tritonserver closes its endpoints early
-    NO_ANSWER = "no answer"  # e.g. a timeout under load: no evidence either way
+    NO_ANSWER = "no answer"  # a timeout under load, another status: no evidence either way
 
 
 def model_ready(url: str, timeout: float = 2.0) -> Readiness:
     """What the readiness endpoint at `url` says."""
     try:
         with _NO_PROXY.open(url, timeout=timeout) as response:
-            return Readiness.READY if response.status == 200 else Readiness.NOT_READY
-    except urllib.error.HTTPError:
-        return Readiness.NOT_READY
+            return Readiness.READY if response.status == 200 else Readiness.NO_ANSWER
+    except urllib.error.HTTPError as exc:
+        return Readiness.NOT_READY if exc.code in NOT_READY_STATUSES else Readiness.NO_ANSWER
     except urllib.error.URLError as exc:
         refused = isinstance(exc.reason, ConnectionRefusedError)
         return Readiness.REFUSED if refused else Readiness.NO_ANSWER
