@@ -304,3 +304,17 @@ def test_refused_inputs_are_declared_with_tensorrt_llm_types() -> None:
     assert {i.name for i in refused_inputs()} >= {
         "lora_task_id", "lora_weights", "lora_config", "prompt_embedding_table",
         "prompt_vocab_size", "guided_decoding_guide_type", "guided_decoding_guide"}
+
+
+def test_unknown_request_parameters_are_refused_by_name() -> None:
+    """Over HTTP a key that is no input becomes a request parameter: refused, with a hint;
+    Triton's own parameters pass."""
+    from minisgl_backend.serving.request import check_parameters
+
+    check_parameters('{"priority": 1, "timeout": 100, "triton_enable_empty_final_response": true}')
+    check_parameters("")
+    with pytest.raises(RequestError, match=r"temprature \(did you mean temperature\?\)"):
+        check_parameters('{"temprature": 0.5}')
+    with pytest.raises(RequestError, match="guided_json"):
+        parse_engine_request(getter(input_ids=[[1]], max_tokens=[[2]]), 10,
+                             parameters='{"guided_json": "{}"}')

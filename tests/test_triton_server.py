@@ -163,6 +163,14 @@ def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer
                 model=model)
             assert_one_final_last(got)
             assert got.ids == expected.token_ids and got.text == expected.text, (model, options)
+    # HTTP generate takes them as top-level keys and inside "parameters", lists included
+    bad_words_case = cases[0][0]
+    for body in ({"text_input": PROMPT, "max_tokens": MAX_TOKENS, **bad_words_case},
+                 {"text_input": PROMPT, "parameters": {"max_tokens": MAX_TOKENS,
+                                                       **bad_words_case}}):
+        got_http = http_generate(server, body)
+        assert got_http.status == 200, got_http.body
+        assert (got_http.ids, got_http.text) == (offline[0].token_ids, offline[0].text)
     # each case really changed the answer
     assert all(o.token_ids != reference.ids for o in offline), [o.token_ids for o in offline]
     assert offline[1].token_ids == reference.ids[:6]  # ends at end_id, which it includes
@@ -356,13 +364,17 @@ BAD_HTTP_REQUESTS = [
     ({"text_input": "word " * 10000, "max_tokens": 4}, "prompt"),
     ({"text_input": '[{"role": 1}]', "max_tokens": 4, "apply_chat_template": True},
      "text_input"),
+    # keys that are no input arrive as request parameters: refused by name, never ignored
+    ({"text_input": PROMPT, "max_tokens": 4, "temprature": 0.5}, "did you mean temperature"),
+    ({"text_input": PROMPT, "parameters": {"max_tokens": 4, "guided_json": "{}"}},
+     "guided_json"),
 ]
 
 
 @pytest.mark.parametrize("body,field", BAD_HTTP_REQUESTS,
                          ids=["empty-text", "max-tokens-0", "max-tokens-huge", "top-p-negative",
                               "top-p-1.5", "negative-temperature", "prompt-too-long",
-                              "bad-chat-json"])
+                              "bad-chat-json", "misspelled-input", "unknown-parameter"])
 def test_bad_http_request_names_the_field(server: TritonServer, body: dict, field: str) -> None:
     result = http_generate(server, body)
     assert 400 <= result.status < 500, (result.status, result.body)

@@ -128,7 +128,8 @@ class TritonPythonModel:
         arrived, arrived_ns = time.monotonic(), time.time_ns()
         try:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
-                                          self.llm.tokenizer, self.limits, self.llm.vocab_size)
+                                          self.llm.tokenizer, self.limits, self.llm.vocab_size,
+                                          request.parameters())
             self.scheduler.check_request(parsed.prompt_ids, parsed.params)
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),

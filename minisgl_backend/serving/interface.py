@@ -196,6 +196,16 @@ OUTPUTS: tuple[TritonOutput, ...] = (
 PREPROCESSING_OUTPUTS = (TritonOutput("input_ids", "TYPE_INT32", "prompt token ids", dims=(-1,)),)
 
 
+# Request parameters Triton itself defines or adds (HTTP keys that are no input arrive as
+# request parameters): any other parameter is refused by name, so that a misspelled or
+# unsupported control is never silently ignored.
+TRITON_REQUEST_PARAMETERS = frozenset({
+    "priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
+    "triton_enable_empty_final_response", "binary_data_output", "binary_data",
+    "binary_data_size", "classification",
+})
+
+
 def inputs_of(model: Model) -> list[TritonInput]:
     return [i for i in INPUTS if model in i.models]
 

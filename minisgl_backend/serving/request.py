@@ -6,6 +6,7 @@ dimension, or [1] without); every scalar input is optional except `max_tokens` w
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -14,7 +15,12 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
-from minisgl_backend.serving.interface import refused_inputs, sampling_inputs
+from minisgl_backend.serving.interface import (
+    TRITON_REQUEST_PARAMETERS,
+    inputs_of,
+    refused_inputs,
+    sampling_inputs,
+)
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
@@ -187,13 +193,32 @@ def _prompt(get: GetInput, tokenizer: Any, limits: RequestPolicy, vocab_size: in
     return prompt
 
 
+def check_parameters(parameters: str) -> None:
+    """A request's parameters (Triton's JSON of them) hold only Triton's own: over HTTP a key
+    that is no input of the model arrives as a parameter."""
+    try:
+        names = set(json.loads(parameters or "{}"))
+    except (json.JSONDecodeError, TypeError):
+        return  # not ours to judge: Triton wrote it
+    unknown = sorted(names - TRITON_REQUEST_PARAMETERS)
+    if not unknown:
+        return
+    inputs = [i.name for i in inputs_of("ensemble")]
+    hints = [f"{name} (did you mean {close[0]}?)" if close else name
+             for name in unknown for close in [difflib.get_close_matches(name, inputs, 1)]]
+    raise RequestError(f"unknown request field(s) {', '.join(hints)}: not an input of this "
+                       f"model")
+
+
 def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = None,
                          limits: RequestPolicy = RequestPolicy(),
-                         vocab_size: int = 0) -> EngineRequest:
+                         vocab_size: int = 0, parameters: str = "") -> EngineRequest:
     """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
     text when called directly) and the generation settings. Token ids (`input_ids`, `end_id`)
     must be below `vocab_size` when it is given: the engine indexes its embedding and logits
-    with them. `tokenizer` tokenizes `bad_words` and `embedding_bias_words`."""
+    with them. `tokenizer` tokenizes `bad_words` and `embedding_bias_words`; `parameters`: the
+    request's parameters as Triton gives them (JSON)."""
+    check_parameters(parameters)
     for spec in refused_inputs():
         if get(spec.name) is not None:
             raise RequestError(f"{spec.name}: {spec.refused}")
