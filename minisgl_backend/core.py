@@ -133,6 +133,13 @@ class SamplingParams:
         row_dtype="int32")
     n: int = spec_field(1, "int", "samples of the prompt (prefilled once, seeds derived from "
                         "`seed`)", low=1, high=MAX_SAMPLES)
+    return_context_logits: bool = spec_field(
+        False, "bool", "return the prompt's logits, [prompt tokens, vocabulary] float32 (with "
+        "sample 0 of `n`; the prompt is then computed in full, not taken from the prefix "
+        "cache)")
+    return_generation_logits: bool = spec_field(
+        False, "bool", "return each generated token's raw logits, [tokens, vocabulary] "
+        "float32", row_dtype="int32")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -157,6 +164,12 @@ class SamplingParams:
         values["temperature"] = 0.0 if self.is_greedy else self.temperature
         values["seed"] = seed
         return values
+
+
+def wants_context_logits(req: Req) -> bool:
+    """The one rule for "this request's prompt logits are returned": sample 0 of its `n`
+    (the others share that prompt through the prefix cache)."""
+    return req.index == 0 and req.sampling_params.return_context_logits
 
 
 def penalties_active(repetition: Any, presence: Any, frequency: Any) -> Any:
@@ -262,6 +275,10 @@ class Batch:
     extend_lens: list[int]  # tokens computed per request (on cpu)
     seq_lens: list[int]  # total tokens per request after this step (on cpu)
     attn_metadata: Any = None
+    # Prefill steps of requests that return their prompt's logits: the indices (into this
+    # step's tokens) whose logits the model also computes, and those logits once it has.
+    logit_tokens: torch.Tensor | None = None
+    token_logits: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

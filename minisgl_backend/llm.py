@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -32,6 +34,10 @@ class GenerationOutput:
     # of the raw logits) and the `logprobs` most likely tokens with theirs.
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # With return_context_logits: the prompt's logits [prompt tokens, vocab] (sample 0 only);
+    # with return_generation_logits: each generated token's raw logits [tokens, vocab].
+    context_logits: np.ndarray | None = None
+    generation_logits: np.ndarray | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -174,6 +180,7 @@ class _Collector:
         self.first = [sum(samples[:i]) for i in range(len(samples))]  # slot of sample 0
         count = sum(samples)
         self.results: list[GenerationOutput | None] = [None] * count
+        self.generation_logits: list[list[np.ndarray]] = [[] for _ in range(count)]
         self.errors: list[str] = []
         self.remaining = count
         self.done = threading.Event()
@@ -196,6 +203,10 @@ class _Collector:
                     result.logprobs, result.top_logprobs = [], []
                 result.logprobs.extend(out.logprobs)
                 result.top_logprobs.extend(out.top_logprobs or ())
+            if out.context_logits is not None:
+                result.context_logits = out.context_logits
+            if out.generation_logits is not None:
+                self.generation_logits[slot].append(out.generation_logits)
             if out.finished:
                 result.finish_reason = out.finish_reason
                 with self.lock:
@@ -211,6 +222,9 @@ class _Collector:
         self.done.wait()
         if self.errors:
             raise RuntimeError("; ".join(dict.fromkeys(self.errors)))
+        for result, parts in zip(self.results, self.generation_logits):
+            if result is not None and parts:
+                result.generation_logits = np.concatenate(parts)
         return [r for r in self.results if r is not None]
 
 

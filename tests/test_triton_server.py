@@ -11,6 +11,7 @@ import queue
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -242,6 +243,32 @@ def test_num_return_sequences_and_log_probs_equal_the_offline_api(server: Triton
                 expected.cumulative_logprob, abs=1e-4)
         if not stream:
             assert len(got.responses) == 3  # one whole response per sequence
+
+
+def test_context_and_generation_logits_equal_the_offline_api(server: TritonServer,
+                                                             default_model: Path) -> None:
+    """`return_context_logits` / `return_generation_logits`: TensorRT-LLM's shapes ([1, prompt,
+    vocab] once, [1, 1, tokens, vocab] per response), the offline API's values; streaming and
+    not; a request past the model's `max_logits_values` gets an error naming the input."""
+    params = SamplingParams(max_tokens=4, return_context_logits=True,
+                            return_generation_logits=True)
+    with LLM(default_model, device="cpu") as llm:
+        expected = llm.generate([PROMPT], params)[0]
+    for stream in (True, False):
+        got = grpc_generate(server, ensemble_inputs(
+            PROMPT, 4, stream=stream, return_context_logits=True, return_generation_logits=True))
+        assert_one_final_last(got)
+        contexts = [r.outputs["context_logits"] for r in got.responses
+                    if "context_logits" in r.outputs]
+        assert len(contexts) == 1 and contexts[0].shape == (1, *expected.context_logits.shape)
+        np.testing.assert_allclose(contexts[0][0], expected.context_logits, atol=1e-4)
+        generation = np.concatenate([r.outputs["generation_logits"][0, 0]
+                                     for r in got.responses])
+        np.testing.assert_allclose(generation, expected.generation_logits, atol=1e-4)
+        assert got.ids == expected.token_ids
+    too_many = grpc_generate(server, ensemble_inputs(PROMPT, 2000, stream=True,
+                                                     return_generation_logits=True))
+    assert too_many.errors and "return_generation_logits" in str(too_many.errors[0])
 
 
 def test_engine_model_takes_the_ensembles_inputs(server: TritonServer, reference: HttpResult,

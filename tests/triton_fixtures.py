@@ -337,6 +337,7 @@ class GrpcStream:
                         "sequence_index", "batch_index",
                         *(name for name, data_type, _ in PERF_METRICS if "INT" in data_type))
     FLOAT_OUTPUTS = ("output_log_probs", "cum_log_probs", "acceptance_rate")  # lists of floats
+    ARRAY_OUTPUTS = ("context_logits", "generation_logits")  # numpy arrays as sent
 
     def __init__(self, server: TritonServer) -> None:
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -374,6 +375,9 @@ class GrpcStream:
         for name in self.FLOAT_OUTPUTS:
             if name in names:
                 outputs[name] = [float(v) for v in result.as_numpy(name).reshape(-1)]
+        for name in self.ARRAY_OUTPUTS:
+            if name in names:
+                outputs[name] = result.as_numpy(name)
         return response.id, StreamResponse(text, ids, final, outputs), None
 
     def collect(self, request_ids: list[str], timeout: float = 120) -> dict[str, StreamResult]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,17 +35,34 @@ logger = logging.getLogger(__name__)
 MAX_CPU_DEFAULT_TOKENS = 1 << 20
 
 
+@dataclass
+class LogitsReport:
+    """Device tensors of one step's returned logits (float32): the sampled token's for the
+    rows that return generation logits, every computed token's for those that return prompt
+    logits (row-major, `context_counts` tokens each)."""
+
+    logit_rows: np.ndarray  # batch indices, on cpu
+    logits: torch.Tensor  # [len(logit_rows), vocab]
+    context_rows: np.ndarray
+    context_counts: np.ndarray
+    context_logits: torch.Tensor  # [sum(context_counts), vocab]
+
+
 class StepHandle:
-    """A launched step. On a GPU its sampled ids (and log-probabilities, if any row asked) are
-    copied to pinned host memory without blocking; `wait()` blocks until they are there. The
-    handle keeps the step's inputs alive."""
+    """A launched step. On a GPU its sampled ids (and log-probabilities or logits, if any row
+    asked) are copied to pinned host memory without blocking; `wait()` blocks until they are
+    there. The handle keeps the step's inputs alive."""
 
     def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None, batch: Batch,
-                 logprobs: LogprobReport | None = None) -> None:
+                 logprobs: LogprobReport | None = None,
+                 logits: LogitsReport | None = None) -> None:
         self.batch = batch
         self._lp_rows = logprobs.batch_rows if logprobs is not None else None
+        self._logits = logits
         extras = ([logprobs.token, logprobs.top_ids.to(torch.int32), logprobs.top_logprobs]
                   if logprobs is not None else [])
+        if logits is not None:
+            extras += [logits.logits, logits.context_logits]
         if host is None:  # CPU: the step already ran
             self._tokens, self._event = tokens.to(torch.int32).numpy(), None
             self._extras = [t.numpy() for t in extras]
@@ -65,10 +83,18 @@ class StepHandle:
             self._event.synchronize()
             self._tokens, self._event = self._tokens.numpy().copy(), None
             self._extras = [t.numpy() for t in self._extras]
-        if self._lp_rows is None:
-            return StepReply(self._tokens)
-        token_lp, top_ids, top_lp = self._extras
-        return StepReply(self._tokens, self._lp_rows.astype(np.int32), token_lp, top_ids, top_lp)
+        reply = StepReply(self._tokens)
+        extras = list(self._extras)
+        if self._lp_rows is not None:
+            reply.lp_rows = self._lp_rows.astype(np.int32)
+            reply.lp_token, reply.top_ids, reply.top_logprobs = extras[:3]
+            extras = extras[3:]
+        if self._logits is not None:
+            reply.logit_rows = self._logits.logit_rows.astype(np.int32)
+            reply.context_rows = self._logits.context_rows.astype(np.int32)
+            reply.context_counts = self._logits.context_counts.astype(np.int32)
+            reply.logits, reply.context_logits = extras
+        return reply
 
 
 class Engine:
@@ -206,6 +232,9 @@ class Engine:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
         controlled = bool(self.controls.active[rows].any())  # one check when no row uses any
         raw_logprobs = None
+        logits_report = None
+        if self.reports and (controlled or batch.token_logits is not None):
+            logits_report = self._logits_report(logits, rows, msg, batch)
         if controlled:
             raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
             self.controls.apply(logits, rows, batch.rows, next_positions, self.row_len[rows])
@@ -225,11 +254,28 @@ class Engine:
             # Two pinned buffers: step N+1 is launched before step N's ids are read.
             host = self._host_tokens[self.num_launched % 2]
         self.num_launched += 1
-        handle = StepHandle(next_tokens, host, batch, report)
+        handle = StepHandle(next_tokens, host, batch, report, logits_report)
         if self.timeline is not None:
             self.timeline.end(batch.phase, len(rows))
         return handle
 
+
+    def _logits_report(self, logits: torch.Tensor, rows: np.ndarray, msg: StepMessage,
+                       batch: Batch) -> LogitsReport | None:
+        """Copies of the logits rows return (before any control edits them), or None."""
+        gen = np.nonzero(self.row_params["return_generation_logits"][rows] > 0)[0]
+        context = batch.token_logits
+        if not len(gen) and context is None:
+            return None
+        empty = logits.new_zeros((0, logits.shape[-1]), dtype=torch.float32)
+        context_rows = np.asarray(msg.context_rows, dtype=np.int64)
+        return LogitsReport(
+            logit_rows=gen,
+            logits=logits[host_to_device(gen, self.device)].float() if len(gen) else empty,
+            context_rows=context_rows if context is not None else context_rows[:0],
+            context_counts=(np.asarray(batch.extend_lens, dtype=np.int64)[context_rows]
+                            if context is not None else context_rows[:0]),
+            context_logits=context.float() if context is not None else empty)
 
     def _admit(self, msg: StepMessage) -> None:
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
@@ -294,9 +340,15 @@ class Engine:
             self.row_len[rows] += 1
             phase, extend_lens = "decode", [1] * len(rows)
         out_slots = token_slots(self.page_table, row_of_token, positions, self.page_size)
-        return Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
-                     out_slots=out_slots, extend_lens=extend_lens,
-                     seq_lens=self.row_len[rows].tolist())
+        batch = Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
+                      out_slots=out_slots, extend_lens=extend_lens,
+                      seq_lens=self.row_len[rows].tolist())
+        if msg.is_prefill and len(msg.context_rows):  # their prompt tokens' logits too
+            picked = np.asarray(msg.context_rows, dtype=np.int64)
+            lens = np.asarray(msg.extend_lens, dtype=np.int64)
+            offsets = np.cumsum(lens) - lens
+            batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
+        return batch
 
     def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingTensors:
         """The rows' sampling parameters on the device. `positions` (device) are those of the

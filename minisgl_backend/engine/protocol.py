@@ -108,6 +108,8 @@ class StepMessage:
     min_lens: Values = _array("int32")
     min_stop_counts: Values = _array("int32")
     min_stop_ids: Values = _array("int32")
+    # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
+    context_rows: Values = _array("int32")
 
     def to_bytes(self) -> bytes:
         arrays = {"is_prefill": np.asarray([self.is_prefill], dtype=np.uint8)}
@@ -152,6 +154,14 @@ class StepReply:
     lp_token: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     top_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # Raw logits (float32, row-major [*, vocabulary]): of the sampled token for the rows that
+    # return generation logits (`logit_rows`, batch indices), and of every token the step
+    # computed for the rows that return prompt logits (`context_rows`, `context_counts`).
+    logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    logits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    context_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    context_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    context_logits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def top(self) -> int:
@@ -166,11 +176,35 @@ class StepReply:
                           top_ids=np.asarray(self.top_ids, dtype=np.int32).reshape(-1),
                           top_logprobs=np.asarray(self.top_logprobs,
                                                   dtype=np.float32).reshape(-1))
+        if len(self.logit_rows):
+            arrays.update(logit_rows=np.asarray(self.logit_rows, dtype=np.int32),
+                          logits=np.asarray(self.logits, dtype=np.float32).reshape(-1))
+        if len(self.context_rows):
+            arrays.update(context_rows=np.asarray(self.context_rows, dtype=np.int32),
+                          context_counts=np.asarray(self.context_counts, dtype=np.int32),
+                          context_logits=np.asarray(self.context_logits,
+                                                    dtype=np.float32).reshape(-1))
         return encode(TOKENS, arrays)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StepReply:
         return cls(**arrays)
+
+    def generation_logits_of(self) -> dict[int, np.ndarray]:
+        """batch index -> the sampled token's raw logits [vocabulary]."""
+        if not len(self.logit_rows):
+            return {}
+        rows = self.logits.reshape(len(self.logit_rows), -1)
+        return {int(r): rows[i] for i, r in enumerate(self.logit_rows)}
+
+    def context_logits_of(self) -> dict[int, np.ndarray]:
+        """batch index -> the logits of the tokens the step computed for it [tokens, vocab]."""
+        if not len(self.context_rows):
+            return {}
+        counts = np.asarray(self.context_counts, dtype=np.int64)
+        table = self.context_logits.reshape(int(counts.sum()), -1)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        return {int(r): table[bounds[i]:bounds[i + 1]] for i, r in enumerate(self.context_rows)}
 
     def logprobs_of(self) -> dict[int, tuple[float, list[int], list[float]]]:
         """batch index -> (token log-probability, top ids, top log-probabilities)."""

@@ -191,6 +191,11 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch.positions, self.rope)
+        if batch.logit_tokens is not None:  # prompt logits asked for (rare: a second head pass)
+            picked = batch.logit_tokens
+            h, _ = self.model.norm.forward_with_residual(
+                x[picked], None if residual is None else residual[picked])
+            batch.token_logits = self.lm_head(h)
         if batch.is_prefill:  # only the last token of each request is sampled
             last = host_to_device(batch.extend_lens, x.device).cumsum(0) - 1
             x = x[last]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from minisgl_backend.core import Req
+from minisgl_backend.core import Req, wants_context_logits
 from minisgl_backend.kvcache import BasePrefixCache, CacheHandle, MatchResult
 
 
@@ -31,8 +31,10 @@ class CacheManager:
         return len(self.free_pages) + self.prefix_cache.evictable_pages
 
     def match(self, req: Req) -> MatchResult:
-        """Longest cached prefix of the prompt, leaving at least one token to compute; locked."""
-        match = self.prefix_cache.match(req.input_ids[: req.prompt_len - 1])
+        """Longest cached prefix of the prompt, leaving at least one token to compute; locked.
+        Nothing for a request that returns its prompt's logits: it computes every token."""
+        usable = 0 if wants_context_logits(req) else req.prompt_len - 1
+        match = self.prefix_cache.match(req.input_ids[:usable])
         self.prefix_cache.lock(match.handle)
         return match
 

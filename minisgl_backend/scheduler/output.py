@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import numpy as np
+
 from minisgl_backend.core import Req
 from minisgl_backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -34,6 +36,11 @@ class RequestOutput:
     reused_pages: int = 0
     admitted_ns: int = 0
     emitted_ns: int = 0
+    # With SamplingParams.return_context_logits: the prompt's logits [prompt tokens, vocab]
+    # (float32), on the request's first output; with return_generation_logits: the raw logits
+    # of each token of `token_ids` [tokens, vocab].
+    context_logits: np.ndarray | None = None
+    generation_logits: np.ndarray | None = None
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -52,6 +59,11 @@ def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
     if deltas[-1].logprobs is not None:
         merged.logprobs = [x for d in deltas for x in d.logprobs or ()]
         merged.top_logprobs = [x for d in deltas for x in d.top_logprobs or ()]
+    if deltas[-1].generation_logits is not None:
+        merged.generation_logits = np.concatenate([d.generation_logits for d in deltas
+                                                   if d.generation_logits is not None])
+    context = [d.context_logits for d in deltas if d.context_logits is not None]
+    merged.context_logits = context[0] if context else None
     return [merged]
 
 
@@ -68,14 +80,23 @@ class OutputTracker:
                             if tokenizer is not None else None)
         self.matcher = StopStringMatcher(params.stop or ())
         self._logprobs: tuple[float, list[int], list[float]] | None = None
+        self._logits: np.ndarray | None = None
+        self._context: list[np.ndarray] = []  # prompt logits, chunk by chunk
+        self._context_sent = False
+
+    def add_context_logits(self, logits: np.ndarray) -> None:
+        """The logits of the prompt tokens one prefill step computed (in order)."""
+        self._context.append(logits)
 
     def add_token(self, token: int,
-                  logprobs: tuple[float, list[int], list[float]] | None = None) -> bool:
-        """Record a sampled token (with its log-probability, top ids and theirs when the
-        request asked), emit the delta; return True if the request is finished."""
+                  logprobs: tuple[float, list[int], list[float]] | None = None,
+                  logits: np.ndarray | None = None) -> bool:
+        """Record a sampled token (with its log-probability, top ids and theirs, and its raw
+        logits, when the request asked), emit the delta; return True if the request is
+        finished."""
         req = self.req
         req.input_ids.append(token)
-        self._logprobs = logprobs
+        self._logprobs, self._logits = logprobs, logits
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
             self._emit([token], self._flush(), "stop")
             return True
@@ -106,6 +127,11 @@ class OutputTracker:
             error=error, index=req.index, pages=len(req.pages), reused_pages=req.reused_pages,
             admitted_ns=req.admitted_ns, emitted_ns=time.time_ns(),
         )
+        if self._logits is not None and tokens:
+            out.generation_logits = self._logits[None]
+        if self._context and not self._context_sent:
+            out.context_logits = np.concatenate(self._context)
+            self._context, self._context_sent = [], True
         top = req.sampling_params.logprobs
         if top is not None:
             out.logprobs, out.top_logprobs = [], []

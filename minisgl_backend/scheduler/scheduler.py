@@ -22,7 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_backend.core import Req, SamplingParams, check_token_ids, sample_seed
+from minisgl_backend.core import (
+    Req,
+    SamplingParams,
+    check_token_ids,
+    sample_seed,
+    wants_context_logits,
+)
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
@@ -392,6 +398,8 @@ class Scheduler:
                 msg.new_pages.extend(req.pages[req.pages_sent :])
                 req.pages_sent = len(req.pages)
             if is_prefill and i < num_prefill:
+                if wants_context_logits(req):
+                    msg.context_rows.append(i)
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
                 msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
@@ -428,12 +436,17 @@ class Scheduler:
 
     def _process(self, sent: _SentStep, reply: StepReply) -> None:
         logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}
+        generation_logits = reply.generation_logits_of()
+        for i, logits in reply.context_logits_of().items():
+            tracker = self.trackers.get(sent.batch[i].uid)
+            if tracker is not None:
+                tracker.add_context_logits(logits)
         for i, (req, counts, token) in enumerate(zip(sent.batch, sent.counts,
                                                      reply.tokens.tolist())):
             tracker = self.trackers.get(req.uid)
             if not counts or tracker is None or req.table_idx < 0:
                 continue  # a prompt chunk, or a request that ended after this step was sent
-            if tracker.add_token(token, logprobs.get(i)):
+            if tracker.add_token(token, logprobs.get(i), generation_logits.get(i)):
                 self._finish(req)
 
     def _finish(self, req: Req) -> None:

@@ -59,6 +59,8 @@ class SequenceState:
     finished: bool = False
     first_token_ns: int = 0  # when its first and latest tokens were made (time.time_ns())
     last_token_ns: int = 0
+    context_logits: np.ndarray | None = None  # non-streaming: kept for the one response
+    generation_logits: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -282,18 +284,26 @@ class TritonPythonModel:
                 if out.token_ids or out.finished:
                     self._add_tokens(seq, out)
                     state.sender.send(self._response(state, out, out.text, out.token_ids,
-                                                     out.logprobs or []),
+                                                     out.logprobs or [], out.context_logits,
+                                                     out.generation_logits),
                                       flags=FINAL if final else 0)
             else:
                 seq.text.append(out.text)
                 self._add_tokens(seq, out)
+                if out.context_logits is not None:
+                    seq.context_logits = out.context_logits
+                if out.generation_logits is not None:
+                    seq.generation_logits.append(out.generation_logits)
                 if out.finished:
                     text = "".join(seq.text)
                     if not state.parsed.exclude_input:
                         text = self.llm.tokenizer.decode(state.parsed.prompt_ids,
                                                          skip_special_tokens=True) + text
+                    generation = (np.concatenate(seq.generation_logits)
+                                  if seq.generation_logits else None)
                     state.sender.send(self._response(state, out, text, seq.token_ids,
-                                                     seq.logprobs),
+                                                     seq.logprobs, seq.context_logits,
+                                                     generation),
                                       flags=FINAL if final else 0)
         except Exception:  # a client gone away must not stop the thread
             logger.exception("sending a response failed")
@@ -322,7 +332,9 @@ class TritonPythonModel:
         state.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
     def _response(self, state: ActiveRequest, out: RequestOutput, text: str,
-                  token_ids: list[int], logprobs: list[float]) -> Any:
+                  token_ids: list[int], logprobs: list[float],
+                  context_logits: np.ndarray | None = None,
+                  generation_logits: np.ndarray | None = None) -> Any:
         parsed = state.parsed
         seq = state.sequence(out.index)
         tensors = [
@@ -347,6 +359,10 @@ class TritonPythonModel:
                                            np.asarray([[logprobs]], dtype=np.float32)))
             tensors.append(pb_utils.Tensor("cum_log_probs",
                                            np.asarray([[seq.cum_logprob]], dtype=np.float32)))
+        if context_logits is not None:  # [1, prompt tokens, vocab]
+            tensors.append(pb_utils.Tensor("context_logits", context_logits[None]))
+        if generation_logits is not None:  # [1, beam 1, tokens, vocab]
+            tensors.append(pb_utils.Tensor("generation_logits", generation_logits[None, None]))
         if parsed.return_perf_metrics:
             tensors += [pb_utils.Tensor(name, np.asarray([[value]], dtype=PERF_DTYPES[name]))
                         for name, value in perf_metrics(state.arrived_ns, seq, out).items()]

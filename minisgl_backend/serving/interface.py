@@ -124,9 +124,10 @@ INPUTS: tuple[TritonInput, ...] = (
                 "out of `text_output` (streaming never repeats it); unset: the model's "
                 "`exclude_input_in_output` parameter (true as shipped)"),
     TritonInput("return_context_logits", "TYPE_BOOL", "add `context_logits` (the prompt's "
-                "logits; the prompt is then computed in full, without the prefix cache)"),
+                "logits; the prompt is then computed in full, without the prefix cache)",
+                feeds="return_context_logits"),
     TritonInput("return_generation_logits", "TYPE_BOOL", "add `generation_logits` (each "
-                "generated token's raw logits)"),
+                "generated token's raw logits)", feeds="return_generation_logits"),
     TritonInput("return_perf_metrics", "TYPE_BOOL", "add the request's KV-cache and timing "
                 "outputs (`kv_cache_*`, `*_time_ns`, draft-token counts)"),
     TritonInput("return_num_input_tokens", "TYPE_BOOL", "add `num_input_tokens`"),

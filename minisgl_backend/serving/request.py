@@ -60,8 +60,6 @@ class EngineRequest:
     return_cached_tokens: bool
     return_log_probs: bool = False
     return_perf_metrics: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
 
 
 _KIND_CHECK = {
@@ -252,13 +250,9 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     values.update(_word_controls(get, tokenizer, limits, given_as))
     flags = {name: bool(scalar(get, name, "bool", False)) for name in (
         "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason",
-        "return_cached_tokens", "return_perf_metrics", "return_context_logits",
-        "return_generation_logits")}
+        "return_cached_tokens", "return_perf_metrics")}
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
-    _check_logits_size(flags, len(prompt_ids), max_tokens, vocab, limits)
-    for name in ("return_context_logits", "return_generation_logits"):
-        if flags[name]:
-            raise RequestError(f"{name}: logits outputs are not supported yet")
+    _check_logits_size(values, len(prompt_ids), max_tokens, vocab, limits)
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
@@ -308,11 +302,11 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     return values
 
 
-def _check_logits_size(flags: dict[str, bool], prompt_tokens: int, max_tokens: int,
+def _check_logits_size(values: dict[str, Any], prompt_tokens: int, max_tokens: int,
                        vocab: int, limits: RequestPolicy) -> None:
     for name, tokens in (("return_context_logits", prompt_tokens),
                          ("return_generation_logits", max_tokens)):
-        if flags[name] and tokens * vocab > limits.max_logits_values:
+        if values.get(name) and tokens * vocab > limits.max_logits_values:
             raise RequestError(f"{name}: {tokens} tokens x {vocab} vocabulary entries exceed "
                                f"the limit of {limits.max_logits_values} values (parameter "
                                f"max_logits_values)")
