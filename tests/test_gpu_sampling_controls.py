@@ -5,7 +5,8 @@ In float32 every control is checked against HF transformers on the same tiny mod
 and frequency penalties, `logit_bias` and `min_p` equal a reference loop over HF's logits,
 `bad_token_ids` equal HF's `bad_words_ids`, `logprobs` equal HF's log-softmax of the raw logits
 within 1e-4, the `n` samples of a request equal single requests with the derived seeds, and a
-mixed batch gives the CPU engine's tokens (greedy strictly, sampled all but one). A bf16 run
+mixed batch gives the CPU engine's tokens (greedy strictly, sampled all but one), returned
+context and generation logits equal HF's. A bf16 run
 (the GPU's default dtype) checks only the controls' invariants. Skipped without CUDA.
 """
 
@@ -355,3 +356,25 @@ def test_bfloat16_controls_keep_their_invariants(model_dir: Path, graphs: int | 
             if token in top:
                 assert top[token] == pytest.approx(lp, abs=1e-6)
     assert outs[5].token_ids == [favoured] * MAX_TOKENS  # ps[3], after 1 + 3 + 1 outputs
+
+
+def test_returned_logits_equal_hf(engine: LLM, hf: torch.nn.Module) -> None:
+    """Context and generation logits (float32) equal HF's, with graphs and overlap as the
+    engine fixture sets them, next to requests that return none."""
+    prompts = mixed_prompts(3, seed=21)
+    wants = params(return_context_logits=True, return_generation_logits=True)
+    outputs = engine.generate(prompts, [wants, params(), params(return_generation_logits=True,
+                                                                repetition_penalty=1.3)])
+    for prompt, out, asked in zip(prompts, outputs, (True, False, True)):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + out.token_ids])).logits[0].float().numpy()
+        if asked:
+            assert abs(out.generation_logits - full[len(prompt) - 1: -1]).max() < LOGPROB_TOL
+        else:
+            assert out.generation_logits is None
+    first = outputs[0]
+    with torch.no_grad():
+        full = hf(torch.tensor([prompts[0]])).logits[0].float().numpy()
+    assert first.context_logits.shape == full.shape
+    assert abs(first.context_logits - full).max() < LOGPROB_TOL
+    assert outputs[1].token_ids == hf_generate(hf, prompts[1])
