@@ -20,7 +20,6 @@
 #   WARMUP=0                 warmup requests; 0 or at least CONCURRENCY (perf_analyzer 2.51
 #                            never ends with a warmup count between 1 and the concurrency)
 #   TOKENIZER=models/SmolLM2-135M-Instruct   a local HF folder (the default is a hub name)
-#   METRICS_URL=             the server's metrics URL, for genai-perf's telemetry
 #   ARTIFACT_DIR=            keep genai-perf's artifacts (inputs, profile export, CSV) there
 #   READY_TIMEOUT=600        seconds to wait for a server this script starts
 set -euo pipefail
@@ -99,7 +98,6 @@ if [ -z "$GRPC_URL" ]; then
     "from minisgl_backend.benchmark.tritonserver import free_ports; print(*free_ports(3))")
   export HTTP_PORT GRPC_PORT METRICS_PORT
   GRPC_URL="localhost:$GRPC_PORT"
-  METRICS_URL="${METRICS_URL:-http://localhost:$METRICS_PORT/metrics}"
   echo "== starting scripts/serve.sh (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT)"
   ./scripts/serve.sh > "$WORK/server.log" 2>&1 &  # serve.sh execs tritonserver: same pid
   SERVER_PID=$!
@@ -125,7 +123,6 @@ ARGS=(profile -m ensemble --endpoint-type kserve --backend tensorrtllm --streami
   --num-dataset-entries "$REQUESTS" --random-seed 0
   --artifact-dir "${ARTIFACT_DIR:-$WORK/artifacts}")
 [ "${DETERMINISTIC:-1}" = 1 ] && ARGS+=(--output-tokens-mean-deterministic)
-[ -n "${METRICS_URL:-}" ] && ARGS+=(--server-metrics-url "$METRICS_URL")
 ARGS+=("${EXTRA[@]}")
 
 echo "== genai-perf ${ARGS[*]}"

@@ -339,7 +339,7 @@ def assert_frontend_usage(full: StreamResult, streamed: StreamResult, prompt_tok
     assert streamed.ids == full.ids
 
 
-def test_openai_frontend_chat_tensors(server: TritonServer, tokenizer) -> None:  # noqa: ANN001
+def test_openai_frontend_chat_tensors(server: TritonServer, tokenizer: Any) -> None:
     prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     full = grpc_generate(server, frontend_inputs(prompt, stream=False))
     streamed = grpc_generate(server, frontend_inputs(prompt, stream=True))
@@ -356,7 +356,7 @@ def test_openai_frontend_chat_tensors(server: TritonServer, tokenizer) -> None: 
     assert len(streamed.responses) > 1, "streaming sent everything at once"
 
 
-def test_openai_frontend_completion_tensors(server: TritonServer, tokenizer) -> None:  # noqa: ANN001
+def test_openai_frontend_completion_tensors(server: TritonServer, tokenizer: Any) -> None:
     prompt_tokens = len(encode_prompt(tokenizer, PROMPT))
     default = grpc_generate(server, frontend_inputs(PROMPT, stream=False))  # `echo` unset
     no_echo = grpc_generate(server, frontend_inputs(PROMPT, stream=False, echo=False))
@@ -376,8 +376,8 @@ def test_openai_frontend_completion_tensors(server: TritonServer, tokenizer) -> 
 
 
 def test_genai_perf_script(server: TritonServer) -> None:
-    env = dict(os.environ, GRPC_URL=server.grpc_url, METRICS_URL=server.metrics_url,
-               CONCURRENCY="1", REQUESTS="4", INPUT_TOKENS="16", OUTPUT_TOKENS="8", WARMUP="0")
+    env = dict(os.environ, GRPC_URL=server.grpc_url, CONCURRENCY="1", REQUESTS="4",
+               INPUT_TOKENS="16", OUTPUT_TOKENS="8", WARMUP="0")
     proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "genai_perf.sh")], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=540,
                           stdin=subprocess.DEVNULL)

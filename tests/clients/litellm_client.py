@@ -1,7 +1,8 @@
 """LiteLLM's `triton/` provider against a tritonserver; run by the `litellm` client venv's python.
 
-    python tests/clients/litellm_client.py '{"api_base": "http://localhost:8000/v2/models/ensemble/generate",
-                                             "messages": [...], "max_tokens": 16}'
+    python tests/clients/litellm_client.py \
+        '{"api_base": "http://localhost:8000/v2/models/ensemble/generate",
+          "messages": [...], "max_tokens": 16}'
 
 Prints one JSON object: `text` and `usage` of `litellm.completion(...)`, `stream_deltas` and
 `stream_usage` of the same call with `stream=True` (usage: the last chunk that carried one), and
