@@ -7,6 +7,7 @@ messages and rebuild a `Batch` of plain tensors, which layers read from the proc
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,6 +66,30 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
             for k, v in bias.items()):
         raise ValueError
     return {int(k): float(v) for k, v in bias.items()}
+
+
+def _normalize_json_schema(schema: object) -> str | None:
+    """A schema as a dict or as JSON text; kept as JSON text (what xgrammar compiles)."""
+    if schema is None:
+        return None
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError from None
+        if isinstance(parsed, (dict, bool)):
+            return schema
+    raise ValueError
+
+
+def _optional_text(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError
+    return value
 
 
 @dataclass(frozen=True)
@@ -140,9 +165,25 @@ class SamplingParams:
     return_generation_logits: bool = spec_field(
         False, "bool", "return each generated token's raw logits, [tokens, vocabulary] "
         "float32", row_dtype="int32")
+    # Structured output (at most one): every sampled token keeps the text in the language.
+    json_schema: str | dict | None = spec_field(
+        None, "custom", "the output is JSON valid under this schema", nullable=True,
+        normalize=_normalize_json_schema, accepts="a JSON schema (a dict or its JSON text)")
+    regex: str | None = spec_field(
+        None, "custom", "the output matches this regular expression", nullable=True,
+        normalize=_optional_text, accepts="a non-empty string")
+    grammar: str | None = spec_field(
+        None, "custom", "the output is in this EBNF grammar's language (xgrammar's dialect, "
+        "rule `root`)", nullable=True, normalize=_optional_text, accepts="a non-empty string")
+    json_object: bool = spec_field(False, "bool", "the output is a JSON object (any)")
 
     def __post_init__(self) -> None:
         validate(self)
+        guides = [name for name in ("json_schema", "regex", "grammar", "json_object")
+                  if getattr(self, name) not in (None, False)]
+        if len(guides) > 1:
+            raise ValueError(f"{guides[1]} cannot be combined with {guides[0]}: give at most "
+                             f"one of json_schema, regex, grammar and json_object")
 
     @property
     def is_greedy(self) -> bool:
@@ -243,6 +284,8 @@ class Req:
     index: int = 0  # its sample number among the request's `n`
     wait_for: Req | None = None  # sample 0, whose cached prompt this sample waits for
     bans: tuple[tuple[int, ...], ...] = ()  # bad_token_ids + the tokenized bad_words
+    grammar: Any = None  # structured output: the compiled grammar, and the request's matcher
+    guide: Any = None
 
     def __post_init__(self) -> None:
         if self.max_device_len == 0:

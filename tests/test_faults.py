@@ -136,9 +136,15 @@ def start_and_stream(tmp_path: Path, models: tuple[str, ...]
 
 def report_leftovers(what: str, took: float, server: TritonServer, leftovers: dict,
                      regions: set[str], dirs: set[str]) -> tuple[list[str], list[str]]:
-    time.sleep(1.0)  # stubs watch their server twice a second
-    shm_left = sorted(r for r in regions if os.path.exists(r))
-    dirs_left = sorted(d for d in dirs if os.path.exists(d))
+    # Stubs watch their server twice a second; on a loaded 2-core machine their cleanup may
+    # take a few seconds more: wait up to 10 s for it.
+    deadline = time.monotonic() + 10.0
+    while True:
+        time.sleep(0.5)
+        shm_left = sorted(r for r in regions if os.path.exists(r))
+        dirs_left = sorted(d for d in dirs if os.path.exists(d))
+        if not (shm_left or dirs_left) or time.monotonic() > deadline:
+            break
     print(f"\n{what}: tritonserver gone {took:.1f} s later (exit code "
           f"{server.process.returncode}); left behind: processes {leftovers}, shared memory "
           f"{shm_left}, private dirs {dirs_left}")

@@ -26,6 +26,7 @@ from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
+from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
@@ -239,6 +240,9 @@ class Engine:
             raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
             self.controls.apply(logits, rows, batch.rows, next_positions, self.row_len[rows])
         self._mask_early_stops(logits, rows, batch.seq_lens)
+        if len(msg.guide_rows):
+            apply_token_masks(logits, np.asarray(msg.guide_rows, dtype=np.int64),
+                              np.asarray(msg.guide_masks, dtype=np.int32))
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:

@@ -110,6 +110,10 @@ class StepMessage:
     min_stop_ids: Values = _array("int32")
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
+    # Structured output: the rows (batch indices) whose next token a grammar constrains, and
+    # their token masks, row-major ([rows, ceil(vocab / 32)] int32, bit set: allowed).
+    guide_rows: Values = _array("int32")
+    guide_masks: Values = _array("int32")
 
     def to_bytes(self) -> bytes:
         arrays = {"is_prefill": np.asarray([self.is_prefill], dtype=np.uint8)}

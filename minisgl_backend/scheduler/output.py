@@ -100,10 +100,16 @@ class OutputTracker:
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
             self._emit([token], self._flush(), "stop")
             return True
+        if req.guide is not None and not req.guide.accept(token):  # a masked token: a bug
+            self._emit([token], self._flush(), "error",
+                       error=f"token {token} is outside the request's grammar")
+            return True
         text, stopped = "", False
         if self.detokenizer is not None:
             text, stopped = self.matcher.feed(self.detokenizer.push([token]))
         at_limit = len(req.input_ids) - req.prompt_len >= req.sampling_params.max_tokens
+        # A grammar without stop tokens to end it (ignore_eos) ends the request itself.
+        stopped = stopped or (req.guide is not None and req.guide.finished)
         if stopped:  # the text is cut before the stop string; nothing after it is sent
             self._emit([token], text, "stop")
         elif at_limit:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from minisgl_backend.core import (
     Req,
     SamplingParams,
@@ -32,6 +34,7 @@ from minisgl_backend.core import (
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
+from minisgl_backend.grammar import GrammarCompilerCache, Guide, mask_words
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -75,6 +78,14 @@ class _SentStep:
     counts: list[bool]  # per request: does its sampled token count (see `complete_step`)
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """What `check_request` derives from a valid request."""
+
+    bans: tuple[tuple[int, ...], ...]  # bad_token_ids + the tokenized bad_words
+    grammar: Any  # the compiled structured-output grammar, or None
+
+
 @dataclass
 class _Submit:
     reqs: list[Req]  # the request's samples (`n` of them)
@@ -115,6 +126,10 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size  # token ids must be below it
+        self.grammars = GrammarCompilerCache(tokenizer, vocab_size, sorted(eos_ids))
+        # Guided requests admitted and not ended: while there are any, a step waits for the
+        # tokens of the one before it (their masks follow from those tokens): no overlap.
+        self.guided_uids: set[int] = set()
         self.engine = engine or EngineClient(config.engine)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
@@ -146,10 +161,10 @@ class Scheduler:
         the model's context, capped by the KV pool)."""
         return self.engine.max_seq_len
 
-    def check_request(self, prompt_ids: list[int],
-                      params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> CheckedRequest:
         """Raise ValueError (naming the field) if the request can never run; else return its
-        banned token sequences (`bad_token_ids` and the tokenized `bad_words`)."""
+        banned token sequences (`bad_token_ids` and the tokenized `bad_words`) and its
+        compiled grammar (compiled here, in the caller's thread; cached)."""
         prompt_len = len(prompt_ids)
         if prompt_len < 1:
             raise ValueError("prompt must contain at least one token")
@@ -163,7 +178,7 @@ class Scheduler:
             )
         bans = self._banned_sequences(params)
         self._check_token_ids(prompt_ids, params, bans)
-        return bans
+        return CheckedRequest(bans, self.grammars.compile(params))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                callback: OutputCallback) -> int:
@@ -182,16 +197,17 @@ class Scheduler:
             reqs = [Req(uid=uid + i, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
                         sampling_params=params, seed=sample_seed(seed, i), index=i)
                     for i in range(params.n)]
-            error, bans = None, ()
+            error, checked = None, CheckedRequest((), None)
             try:
-                bans = self.check_request(reqs[0].input_ids, params)
+                checked = self.check_request(reqs[0].input_ids, params)
             except ValueError as exc:
                 error = str(exc)
             if error is None and (self._shut_down or not self._thread.is_alive()):
                 error = "the engine was shut down" if self._shut_down else self.failure
             if error is None:
                 for req in reqs:
-                    req.bans, req.wait_for = bans, (reqs[0] if req.index else None)
+                    req.bans, req.wait_for = checked.bans, (reqs[0] if req.index else None)
+                    req.grammar = checked.grammar
                 self._inbox.put(_Submit(reqs, callback))
                 return uid
         for req in reqs:
@@ -311,6 +327,8 @@ class Scheduler:
         if len(item.reqs) > 1:
             self.group_size[item.reqs[0].uid] = len(item.reqs)
         for req, tracker in zip(item.reqs, trackers):
+            if req.grammar is not None:
+                req.guide = Guide(req.grammar, tracker.stop_ids)
             self.trackers[req.uid] = tracker
             self.prefill.add(req)
 
@@ -323,6 +341,7 @@ class Scheduler:
         if tracker is None:
             return  # already finished
         req = tracker.req
+        self.guided_uids.discard(uid)
         self.prefill.remove(req)
         if req.table_idx >= 0:  # admitted: give back its row and pages
             self.decode.remove(req)
@@ -331,6 +350,10 @@ class Scheduler:
         tracker.fail("abort", "the request was cancelled")
 
     def _step(self) -> None:
+        if self.guided_uids and self.in_flight is not None:
+            self.engine.flush()  # the guided rows' masks need the tokens of the step in flight
+            self._read_tokens(self.in_flight)
+            self.in_flight = None
         sent = self._send_next_step()
         if not self.overlap:
             self._read_tokens(sent)
@@ -347,6 +370,8 @@ class Scheduler:
         now = time.time_ns()
         for req in admitted:
             req.admitted_step, req.admitted_ns = self.num_steps, now
+            if req.guide is not None:
+                self.guided_uids.add(req.uid)
         is_prefill = bool(batch)
         num_prefill = len(batch)
         if not is_prefill:
@@ -405,7 +430,20 @@ class Scheduler:
                 msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
         for req in admitted:
             self._admission(msg, req)
+        if self.guided_uids:
+            self._token_masks(msg, batch)
         return msg
+
+    def _token_masks(self, msg: StepMessage, batch: list[Req]) -> None:
+        """The grammar masks of the guided rows that sample a token this step."""
+        guided = [i for i, req in enumerate(batch)
+                  if req.guide is not None and req.device_len >= req.prompt_len]
+        if not guided:
+            return
+        masks = np.empty((len(guided), mask_words(self.vocab_size)), dtype=np.int32)
+        for j, i in enumerate(guided):
+            batch[i].guide.fill(masks, j)
+        msg.guide_rows, msg.guide_masks = guided, masks.reshape(-1)
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         """What the engine needs of a newly admitted request: its per-row controls, and its
@@ -451,6 +489,7 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         del self.trackers[req.uid]
+        self.guided_uids.discard(req.uid)
         first = req.uid - req.index
         if first in self.group_size and not any(
                 u in self.trackers for u in range(first, first + self.group_size[first])):
@@ -469,6 +508,7 @@ class Scheduler:
         for tracker in list(self.trackers.values()):
             tracker.fail(reason, message)
         self.trackers.clear()
+        self.guided_uids.clear()
         self.prefill.waiting.clear()
         self.prefill.chunked = None
         self.decode.running.clear()

@@ -338,7 +338,9 @@ class TritonPythonModel:
         parsed = state.parsed
         seq = state.sequence(out.index)
         tensors = [
-            pb_utils.Tensor("text_output", np.array([[text.encode()]], dtype=np.object_)),
+            # [1], as TensorRT-LLM's postprocessing sends it: clients read text_output[0] as
+            # bytes (LlamaIndex, TensorRT-LLM's client)
+            pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.asarray([token_ids], dtype=np.int32)),
         ]
         if parsed.return_num_input_tokens:

@@ -1,0 +1,52 @@
+"""A guided request's matcher: it fills the request's row of a step's token mask (1 bit per
+vocabulary entry: may be sampled) and follows the tokens the request samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token mask."""
+    return (vocab_size + 31) // 32
+
+
+class Guide:
+    def __init__(self, compiled: Any, stop_ids: set[int]) -> None:
+        import xgrammar as xgr
+
+        # Without stop ids (ignore_eos and none given) the grammar ends the request itself.
+        self.matcher = xgr.GrammarMatcher(compiled,
+                                          override_stop_tokens=sorted(stop_ids) or None,
+                                          terminate_without_stop_token=not stop_ids)
+
+    def fill(self, masks: np.ndarray, index: int) -> None:
+        """Row `index` of `masks` ([rows, words] int32): the tokens the grammar allows next."""
+        self.matcher.fill_next_token_bitmask(masks, index)
+
+    def accept(self, token: int) -> bool:
+        """Follow a sampled token; False if the grammar does not allow it."""
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and ended (by a stop token, or by itself)."""
+        return bool(self.matcher.is_terminated())
+
+
+def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.ndarray) -> None:
+    """Disallowed tokens of the guided rows (`batch_rows` of `logits`, their masks row-major
+    in `masks`) to -inf, in place; the other rows are left alone."""
+    import xgrammar as xgr
+
+    words = mask_words(logits.shape[-1])
+    full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all allowed
+    full[batch_rows] = masks.reshape(len(batch_rows), words)
+    bitmask = torch.from_numpy(full)
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                    indices=[int(r) for r in batch_rows])

@@ -1,0 +1,276 @@
+"""Structured output (JSON schemas, regexes, EBNF grammars, any JSON object) on CPU.
+
+Oracles: greedy guided output equals a reference loop that applies xgrammar's token mask to HF
+transformers' float32 logits token by token (tiny random model and the default model); finished
+outputs of the default model are valid (jsonschema, re.fullmatch, a fresh matcher accepting the
+text); unguided requests batched with guided ones give exactly their unguided outputs; all of
+it under overlap on and off, page size 16, chunked prefill, tensor parallel 2 and n > 1.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.models import ModelConfig
+from minisgl_backend.tokenizer import encode_chat
+from tests.conftest import _hf_model, hf_greedy
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                     "maxItems": 3}},
+            "required": ["name", "tags"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["user", "score"]},
+    "enum_and_bool": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome", "Berlin"]}, "capital": {"type": "boolean"}},
+        "required": ["city", "capital"]},
+    "array_of_numbers": {"type": "array", "items": {"type": "number"}, "minItems": 1,
+                         "maxItems": 4},
+    "string_formats": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+        "day": {"type": "string", "format": "date"}},
+        "required": ["code", "day"]},
+}
+REGEXES = [r"(yes|no), because [a-z ]{1,30}\.", r"[0-9]{3}-[0-9]{4}", r"#[0-9a-f]{6}"]
+GRAMMAR = """root ::= "The answer is " answer "."
+answer ::= "yes" | "no" | number
+number ::= [1-9] [0-9]*"""
+
+
+# ----- the reference ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _compiler(model_dir: str) -> tuple[xgr.GrammarCompiler, frozenset[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = ModelConfig.from_folder(model_dir)
+    eos = frozenset(config.eos_token_ids) | (
+        {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=config.vocab_size,
+                                              stop_token_ids=sorted(eos))
+    return xgr.GrammarCompiler(info), eos
+
+
+def compile_guide(model_dir: Path, p: SamplingParams) -> xgr.CompiledGrammar:
+    compiler, _ = _compiler(str(model_dir))
+    if p.json_schema is not None:
+        return compiler.compile_json_schema(p.json_schema)
+    if p.regex is not None:
+        return compiler.compile_regex(p.regex)
+    if p.grammar is not None:
+        return compiler.compile_grammar(p.grammar)
+    return compiler.compile_json_schema('{"type": "object"}')
+
+
+def reference(model_dir: Path, prompt: list[int], p: SamplingParams) -> list[int]:
+    """Greedy decoding of HF float32 logits under xgrammar's mask, one full forward a token;
+    stops at a stop token (allowed only where the grammar may end) or max_tokens."""
+    _, eos = _compiler(str(model_dir))
+    matcher = xgr.GrammarMatcher(compile_guide(model_dir, p))
+    model = _hf_model(str(model_dir))
+    seq, out = list(prompt), []
+    for _ in range(p.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1:].float()
+        mask = xgr.allocate_token_bitmask(1, logits.shape[-1])
+        matcher.fill_next_token_bitmask(mask, 0)
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        token = int(torch.argmax(logits[0]))
+        out.append(token)
+        if token in eos:
+            break
+        assert matcher.accept_token(token)
+        seq.append(token)
+    return out
+
+
+def guided_cases() -> list[SamplingParams]:
+    cases = [SamplingParams(max_tokens=40, json_schema=s) for s in SCHEMAS.values()]
+    cases += [SamplingParams(max_tokens=24, regex=r) for r in REGEXES]
+    cases += [SamplingParams(max_tokens=16, grammar=GRAMMAR),
+              SamplingParams(max_tokens=32, json_object=True)]
+    return cases
+
+
+def plain_cases() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, ignore_eos=True)]
+
+
+# ----- engines -------------------------------------------------------------------------------
+
+
+KV_TOKENS = 8192  # debug_checks walks every page after each step: keep the pool small
+
+
+@pytest.fixture(scope="module")
+def smol(default_model: Path) -> Iterator[LLM]:
+    with LLM(default_model, device="cpu", debug_checks=True, max_total_tokens=KV_TOKENS) as llm:
+        yield llm
+
+
+def smol_prompt(engine: LLM, i: int) -> list[int]:
+    questions = ["Describe a user as JSON.", "Which city is the capital of France?",
+                 "Give me some numbers.", "Give a product code and a date.", "Answer:",
+                 "Phone number:", "A colour:", "Is the sky blue?", "Any JSON object:"]
+    return encode_chat(engine.tokenizer,
+                       [{"role": "user", "content": questions[i % len(questions)]}])
+
+
+def check_valid(text: str, p: SamplingParams) -> None:
+    """A finished guided output is in its language."""
+    if p.json_schema is not None:
+        jsonschema.validate(json.loads(text), json.loads(p.json_schema))
+    elif p.json_object:
+        assert isinstance(json.loads(text), dict), text
+    elif p.regex is not None:
+        assert re.fullmatch(p.regex, text), (p.regex, text)
+    else:
+        assert re.fullmatch(r"The answer is (yes|no|[1-9][0-9]*)\.", text), text
+
+
+# ----- the tests ------------------------------------------------------------------------------
+
+
+def test_default_model_outputs_are_valid_and_equal_the_reference(smol: LLM,
+                                                                 default_model: Path) -> None:
+    cases = guided_cases() + plain_cases()
+    prompts = [smol_prompt(smol, i) for i in range(len(cases))]
+    outputs = smol.generate(prompts, cases)
+    plain = smol.generate(prompts[-2:], plain_cases())
+    finished = 0
+    for prompt, p, out in zip(prompts, cases, outputs):
+        if p.json_schema or p.regex or p.grammar or p.json_object:
+            assert out.token_ids == reference(default_model, prompt, p), (p, out.text)
+            if out.finish_reason == "stop":
+                check_valid(out.text, p)
+                finished += 1
+    assert finished >= len(guided_cases()) - 2  # nearly all end inside their budget
+    # unguided requests batched with guided ones are untouched
+    assert [o.token_ids for o in outputs[-2:]] == [o.token_ids for o in plain]
+
+
+def test_tiny_model_guided_greedy_equals_the_reference(tiny_models: dict[str, Path]) -> None:
+    model = tiny_models["llama"]
+    cases = guided_cases()
+    prompts = [[5 + i, 17, 99, 3 * i + 1, 42] for i in range(len(cases))]
+    with LLM(model, device="cpu", debug_checks=True, max_total_tokens=KV_TOKENS) as engine:
+        outputs = engine.generate(prompts, cases)
+    for prompt, p, out in zip(prompts, cases, outputs):
+        assert out.token_ids == reference(model, prompt, p), p
+
+
+# The mix runs on the tiny model (its heads split over 2 ranks; its outputs, random but
+# inside their grammars, rarely end before max_tokens).
+@pytest.fixture(scope="module")
+def tiny(tiny_models: dict[str, Path]) -> Iterator[LLM]:
+    with LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+             max_total_tokens=KV_TOKENS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def mix_baseline(tiny: LLM) -> list:
+    return tiny.generate(*_mix())
+
+
+def _mix() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Guided and unguided requests together, prompts sharing a prefix; sampled ones seeded;
+    one with n = 2."""
+    cases = [SamplingParams(max_tokens=40, json_schema=SCHEMAS["enum_and_bool"]),
+             SamplingParams(max_tokens=12),
+             SamplingParams(max_tokens=24, regex=REGEXES[0], temperature=0.8, seed=5),
+             SamplingParams(max_tokens=40, json_schema=SCHEMAS["nested"], temperature=0.7,
+                            seed=9, n=2),
+             SamplingParams(max_tokens=16, grammar=GRAMMAR),
+             SamplingParams(max_tokens=12, temperature=0.9, seed=2)]
+    shared = list(range(40, 60))  # longer than a page of 16 and a chunk of 16
+    prompts = [shared + [i + 1, 2 * i + 3] for i in range(len(cases))]
+    return prompts, cases
+
+
+@pytest.mark.parametrize("settings", [
+    {"overlap": False},
+    {"page_size": 16},
+    {"chunked_prefill_size": 16},
+    {"tp_size": 2},
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_guided_mix_identical_under_engine_settings(tiny_models: dict[str, Path],
+                                                    mix_baseline: list, settings: dict) -> None:
+    with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+             **settings) as engine:
+        outputs = engine.generate(*_mix())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in mix_baseline]
+
+
+def test_guided_mix_equals_the_reference_and_prefix_hits(tiny: LLM, mix_baseline: list,
+                                                         tiny_models: dict[str, Path]) -> None:
+    prompts, cases = _mix()
+    model = tiny_models["llama"]
+    guided, plain = mix_baseline[0], mix_baseline[1]  # both greedy
+    assert guided.token_ids == reference(model, prompts[0], cases[0])
+    assert plain.token_ids == hf_greedy(model, [prompts[1]], cases[1].max_tokens,
+                                        stop_at_eos=True)[0]
+    again = tiny.generate(prompts, cases)
+    assert [o.token_ids for o in again] == [o.token_ids for o in mix_baseline]
+    assert all(o.cached_tokens > 0 for o in again)
+    assert again[3].token_ids != again[4].token_ids  # the two samples of one request differ
+
+
+def test_max_tokens_mid_structure_ends_with_length(smol: LLM) -> None:
+    out = smol.generate([smol_prompt(smol, 0)],
+                        SamplingParams(max_tokens=5, json_schema=SCHEMAS["nested"]))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text.startswith("{")
+
+
+def test_grammar_ends_the_request_without_a_stop_token(smol: LLM) -> None:
+    """ignore_eos leaves no stop token: the grammar's end ends the request."""
+    out = smol.generate([smol_prompt(smol, 5)], SamplingParams(
+        max_tokens=24, regex=REGEXES[1], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and re.fullmatch(REGEXES[1], out.text), out.text
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": 7}, "json_schema"),
+    ({"json_schema": {"type": "objec"}}, "json_schema"),
+    ({"regex": "a(b"}, "regex"),
+    ({"regex": ""}, "regex"),
+    ({"grammar": "root ::= undefined_rule"}, "grammar"),
+    ({"regex": "a", "json_object": True}, "json_object"),
+    ({"json_schema": {"type": "object"}, "grammar": GRAMMAR}, "grammar"),
+])
+def test_invalid_guides_name_the_field_and_the_engine_keeps_serving(smol: LLM, kwargs: dict,
+                                                                    field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        smol.generate(["Hello"], SamplingParams(max_tokens=4, **kwargs))
+    assert len(smol.generate(["Hello"], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_same_schema_compiles_once(smol: LLM) -> None:
+    """xgrammar's compiler cache: the second compile of a schema returns at once."""
+    import time
+
+    grammars = smol.scheduler.grammars
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 77}}}
+    first = time.perf_counter()
+    grammars.compile(SamplingParams(json_schema=schema))
+    first = time.perf_counter() - first
+    again = time.perf_counter()
+    grammars.compile(SamplingParams(json_schema=schema))
+    again = time.perf_counter() - again
+    assert again < first
