@@ -260,7 +260,11 @@ def test_bad_words_and_embedding_bias_are_tokenized_as_tensorrt_llm_does(tokeniz
     ({"bad_words": words(*"abcdefghijklmnopqrstuvwxyz0123456789")}, "bad_words"),
     ({"lora_task_id": np.array([[3]], np.uint64)}, "lora_task_id"),
     ({"prompt_embedding_table": np.zeros((1, 2, 4), np.float16)}, "prompt_embedding_table"),
-    ({"guided_decoding_guide_type": words("json")}, "guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": words("yaml")}, "guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": words("regex")}, "guided_decoding_guide"),
+    ({"guided_decoding_guide": words("[0-9]+")}, "guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": words("json_schema"),
+      "guided_decoding_guide": words("{not json")}, "guided_decoding_guide"),
     ({"num_draft_tokens": np.array([[2]], np.int32)}, "num_draft_tokens"),
     ({"return_context_logits": np.array([[True]]), "input_ids": [list(range(11))]},
      "return_context_logits"),
@@ -303,7 +307,7 @@ def test_refused_inputs_are_declared_with_tensorrt_llm_types() -> None:
     assert declared["lora_config"] == ("TYPE_INT32", (-1, 3))
     assert {i.name for i in refused_inputs()} >= {
         "lora_task_id", "lora_weights", "lora_config", "prompt_embedding_table",
-        "prompt_vocab_size", "guided_decoding_guide_type", "guided_decoding_guide"}
+        "prompt_vocab_size", "decoder_text_input"}
 
 
 def test_unknown_request_parameters_are_refused_by_name() -> None:
@@ -318,3 +322,17 @@ def test_unknown_request_parameters_are_refused_by_name() -> None:
     with pytest.raises(RequestError, match="guided_json"):
         parse_engine_request(getter(input_ids=[[1]], max_tokens=[[2]]), 10,
                              parameters='{"guided_json": "{}"}')
+
+
+@pytest.mark.parametrize(("kind", "guide", "field"), [
+    ("json", None, "json_object"), ("json_schema", '{"type": "array"}', "json_schema"),
+    ("regex", "[a-z]+", "regex"), ("ebnf_grammar", 'root ::= "yes" | "no"', "grammar"),
+])
+def test_guided_decoding_inputs_feed_the_guide(kind: str, guide: str | None, field: str) -> None:
+    inputs = {"guided_decoding_guide_type": words(kind)}
+    if guide is not None:
+        inputs["guided_decoding_guide"] = words(guide)
+    req = parse(**inputs)
+    assert getattr(req.params, field) == (True if guide is None else guide)
+    assert req.name_inputs(f"{field} does not compile").startswith(
+        "guided_decoding_guide_type" if guide is None else "guided_decoding_guide")

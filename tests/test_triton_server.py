@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import time
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer
 
 @pytest.mark.parametrize("name, value", [
     ("lora_task_id", tensor("lora_task_id", 3, "UINT64")),
-    ("guided_decoding_guide_type", tensor("guided_decoding_guide_type", "json")),
+    ("lora_weights", tensor("lora_weights", np.zeros((1, 2, 4), np.float16), "FP16")),
     ("prompt_vocab_size", tensor("prompt_vocab_size", 8, "INT32")),
 ])
 def test_inputs_of_missing_features_are_refused_by_name(server: TritonServer, name: str,
@@ -269,6 +270,53 @@ def test_context_and_generation_logits_equal_the_offline_api(server: TritonServe
     too_many = grpc_generate(server, ensemble_inputs(PROMPT, 2000, stream=True,
                                                      return_generation_logits=True))
     assert too_many.errors and "return_generation_logits" in str(too_many.errors[0])
+
+
+WEATHER_TOOL = {"type": "object", "properties": {
+    "location": {"type": "string", "maxLength": 24},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["location", "unit"]}
+
+
+def test_guided_decoding_inputs(server: TritonServer, tokenizer) -> None:  # noqa: ANN001
+    """TensorRT-LLM's guided-decoding inputs over gRPC streaming and HTTP generate, and the
+    tensors Triton's OpenAI frontend sends for a tool call with a named tool_choice (the
+    tool's parameters schema as `json_schema`, the chat prompt rendered by the frontend): the
+    output is in the language; a guide that does not compile gets an error naming the input."""
+    import jsonschema
+
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        add_generation_prompt=True, tokenize=False)
+    tool_call = grpc_generate(server, ensemble_inputs(
+        chat, 64, stream=True, return_num_input_tokens=True, return_num_output_tokens=True,
+        guided_decoding_guide_type="json_schema",
+        guided_decoding_guide=json.dumps(WEATHER_TOOL)))
+    assert_one_final_last(tool_call)
+    jsonschema.validate(json.loads(tool_call.text), WEATHER_TOOL)
+    for kind, guide, valid in (
+            ("regex", "[0-9]{3}-[0-9]{4}", lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
+            ("ebnf_grammar", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no")),
+            ("json", None, lambda t: isinstance(json.loads(t), dict))):
+        options = {"guided_decoding_guide_type": kind}
+        if guide is not None:
+            options["guided_decoding_guide"] = guide
+        streamed = grpc_generate(server, ensemble_inputs(CHAT_QUESTION, 48, stream=True,
+                                                         apply_chat_template=True,
+                                                         return_finish_reason=True, **options))
+        assert_one_final_last(streamed)
+        if kind == "json" and streamed.last.outputs["finish_reason"] == "length":
+            assert streamed.text.startswith("{"), streamed.text  # an object, cut short
+        else:
+            assert valid(streamed.text), (kind, streamed.text)
+        over_http = http_generate(server, {"text_input": CHAT_QUESTION, "max_tokens": 48,
+                                           "apply_chat_template": True, **options})
+        assert over_http.status == 200, over_http.body
+        assert over_http.text == streamed.text
+    bad = grpc_generate(server, ensemble_inputs(PROMPT, 8, stream=True,
+                                                guided_decoding_guide_type="regex",
+                                                guided_decoding_guide="a(b"))
+    assert bad.errors and "guided_decoding_guide" in str(bad.errors[0]), bad
+    good_request_succeeds(server)
 
 
 def test_engine_model_takes_the_ensembles_inputs(server: TritonServer, reference: HttpResult,

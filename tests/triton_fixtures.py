@@ -279,8 +279,8 @@ def tensor(name: str, value: Any, datatype: str | None = None) -> grpcclient.Inf
             datatype = "FP32"
         else:
             datatype = "INT32"
-    numpy_type = {"BYTES": np.object_, "BOOL": np.bool_, "FP32": np.float32, "INT32": np.int32,
-                  "UINT64": np.uint64}[datatype]
+    numpy_type = {"BYTES": np.object_, "BOOL": np.bool_, "FP32": np.float32, "FP16": np.float16,
+                  "INT32": np.int32, "UINT64": np.uint64}[datatype]
     if datatype == "BYTES":
         array = np.array([[v.encode() if isinstance(v, str) else v for v in row]
                           for row in array.tolist()], dtype=np.object_)

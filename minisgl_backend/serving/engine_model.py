@@ -132,7 +132,10 @@ class TritonPythonModel:
             parsed = parse_engine_request(input_getter(request), self.scheduler.max_request_tokens,
                                           self.llm.tokenizer, self.limits, self.llm.vocab_size,
                                           request.parameters())
-            self.scheduler.check_request(parsed.prompt_ids, parsed.params)
+            try:  # a guide that does not compile, a prompt too long for the engine, ...
+                self.scheduler.check_request(parsed.prompt_ids, parsed.params)
+            except ValueError as exc:
+                raise RequestError(parsed.name_inputs(str(exc))) from None
         except (RequestError, ValueError) as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                         flags=FINAL)

@@ -123,6 +123,11 @@ INPUTS: tuple[TritonInput, ...] = (
     TritonInput("exclude_input_in_output", "TYPE_BOOL", "non-streaming only: leave the prompt "
                 "out of `text_output` (streaming never repeats it); unset: the model's "
                 "`exclude_input_in_output` parameter (true as shipped)"),
+    TritonInput("guided_decoding_guide_type", "TYPE_STRING", "structured output, as "
+                "TensorRT-LLM names it: `json` (any JSON object), `json_schema`, `regex` or "
+                "`ebnf_grammar` (xgrammar's EBNF)"),
+    TritonInput("guided_decoding_guide", "TYPE_STRING", "the schema, regex or grammar "
+                "(not for `json`)"),
     TritonInput("return_context_logits", "TYPE_BOOL", "add `context_logits` (the prompt's "
                 "logits; the prompt is then computed in full, without the prefix cache)",
                 feeds="return_context_logits"),
@@ -144,9 +149,6 @@ INPUTS: tuple[TritonInput, ...] = (
           ("prompt_embedding_table", "TYPE_FP16", (-1, -1), "prompt tables are not supported"),
           ("prompt_table_extra_id", "TYPE_UINT64", (1,), "prompt tables are not supported"),
           ("prompt_vocab_size", "TYPE_INT32", (1,), "prompt tables are not supported"),
-          ("guided_decoding_guide_type", "TYPE_STRING", (1,),
-           "guided decoding is not supported yet"),
-          ("guided_decoding_guide", "TYPE_STRING", (1,), "guided decoding is not supported yet"),
           ("num_draft_tokens", "TYPE_INT32", (1,), "draft-model speculative decoding is not "
            "supported"),
           ("use_draft_logits", "TYPE_BOOL", (1,), "draft-model speculative decoding is not "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -60,6 +60,12 @@ class EngineRequest:
     return_cached_tokens: bool
     return_log_probs: bool = False
     return_perf_metrics: bool = False
+    # SamplingParams field -> the input that gave it, for errors found after parsing
+    given_as: dict[str, str] = field(default_factory=dict)
+
+    def name_inputs(self, message: str) -> str:
+        """An error message about a SamplingParams field, naming the input instead."""
+        return name_inputs(message, self.given_as)
 
 
 _KIND_CHECK = {
@@ -248,6 +254,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     if return_log_probs:
         values["logprobs"] = 0  # the sampled tokens' log-probabilities, no alternatives
     values.update(_word_controls(get, tokenizer, limits, given_as))
+    values.update(_guide(get, given_as))
     flags = {name: bool(scalar(get, name, "bool", False)) for name in (
         "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason",
         "return_cached_tokens", "return_perf_metrics")}
@@ -256,8 +263,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise RequestError(str(exc).replace(field, given_as.get(field, field), 1)) from None
+        raise RequestError(name_inputs(str(exc), given_as)) from None
     return EngineRequest(
         prompt_ids=prompt_ids,
         params=params,
@@ -265,8 +271,42 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
         exclude_input=bool(scalar(get, "exclude_input_in_output", "bool",
                                   limits.exclude_input_in_output)),
         return_log_probs=return_log_probs,
+        given_as=given_as,
         **flags,
     )
+
+
+def name_inputs(message: str, given_as: dict[str, str]) -> str:
+    """`message` (a ValueError's, starting with a SamplingParams field) naming the input."""
+    field_name = message.split(" ", 1)[0]
+    return message.replace(field_name, given_as.get(field_name, field_name), 1)
+
+
+# guided_decoding_guide_type -> the SamplingParams field its guide feeds (TensorRT-LLM's names)
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json_schema", "regex": "regex",
+               "ebnf_grammar": "grammar"}
+
+
+def _guide(get: GetInput, given_as: dict[str, str]) -> dict[str, Any]:
+    """Structured output from `guided_decoding_guide_type` and `guided_decoding_guide`."""
+    kinds = text_list(get, "guided_decoding_guide_type", RequestPolicy(), keep_empty=True)
+    guides = text_list(get, "guided_decoding_guide", RequestPolicy(max_stop_word_length=1 << 20),
+                       keep_empty=True)
+    if not kinds:
+        if guides:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type")
+        return {}
+    if len(kinds) != 1 or kinds[0] not in GUIDE_TYPES:
+        raise RequestError(f"guided_decoding_guide_type must be one of "
+                           f"{', '.join(GUIDE_TYPES)}, got {kinds}")
+    target = GUIDE_TYPES[kinds[0]]
+    if target == "json_object":
+        given_as[target] = "guided_decoding_guide_type"
+        return {target: True}
+    if len(guides) != 1 or not guides[0]:
+        raise RequestError(f"guided_decoding_guide must hold the {kinds[0]} (one string)")
+    given_as[target] = "guided_decoding_guide"
+    return {target: guides[0]}
 
 
 def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
