@@ -1,0 +1,129 @@
+"""Decode throughput with and without structured output (a JSON schema), side by side.
+
+One `LLM` serves both configurations. Per batch size B, each call generates for B chat prompts
+(a different question each, so that outputs differ) with `ignore_eos`:
+
+* unguided: plain greedy decoding, exactly max_tokens tokens per request;
+* json_schema: the same requests under a JSON schema of an unbounded array of objects, so that
+  most requests also run to max_tokens (one that closes its array ends there: tokens are
+  counted, not assumed).
+
+Prefill is taken out by timing a call with max_tokens=T and one with max_tokens=1: decode
+tok/s = (tokens of the T call - tokens of the 1 call) / (best t_T - best t_1), each the best of
+`--repeats` rounds, rounds interleaved across configurations. Before the table: each schema's
+compile time, first and cached (xgrammar's compiler cache).
+
+    python scripts/bench_structured_output.py                       # CPU, the default model
+    python scripts/bench_structured_output.py --batch-sizes 1 16 --max-tokens 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.tokenizer import encode_chat
+
+SCRIPTS_DIR = Path(__file__).resolve().parent
+if str(SCRIPTS_DIR) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS_DIR))
+from bench_offline_cpu import build_script, ensure_model  # noqa: E402
+
+HEADER = ("batch", "config", "tokens", "decode tok/s", "ms/step", "vs unguided")
+PEOPLE = {"type": "array", "items": {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "city": {"enum": ["Paris", "Rome", "Berlin", "Madrid"]}},
+    "required": ["name", "age", "city"]}}
+COMPILED = {  # schemas whose compile time is reported
+    "people (array of objects)": PEOPLE,
+    "nested object": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                  "tags": {"type": "array",
+                                                           "items": {"type": "string"}}},
+                 "required": ["id"]}, "active": {"type": "boolean"}},
+        "required": ["user", "active"]},
+    "string formats": {"type": "object", "properties": {
+        "day": {"type": "string", "format": "date"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}}, "required": ["day"]},
+}
+QUESTIONS = ["List some people as JSON.", "Who lives in Paris?", "Name a few friends.",
+             "Describe the team.", "Give me example users.", "Who are the players?"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(build_script().DEFAULT_MODEL_DIR))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def compile_times(llm: LLM) -> list[str]:
+    lines = []
+    for name, schema in COMPILED.items():
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            llm.scheduler.grammars.compile(SamplingParams(json_schema=schema))
+            times.append(time.perf_counter() - start)
+        lines.append(f"compile {name}: first {1e3 * times[0]:.2f} ms, cached "
+                     f"{1e3 * times[1]:.3f} ms")
+    return lines
+
+
+def params(config: str, max_tokens: int) -> SamplingParams:
+    guide = {"json_schema": PEOPLE} if config == "json_schema" else {}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **guide)
+
+
+def run(args: argparse.Namespace) -> None:
+    model = ensure_model(args.model)
+    configs = ("unguided", "json_schema")
+    with LLM(model, device=args.device) as llm:
+        print("\n".join(compile_times(llm)), flush=True)
+        prompts = {bs: [encode_chat(llm.tokenizer, [{"role": "user",
+                                                     "content": QUESTIONS[i % len(QUESTIONS)]}])
+                        for i in range(bs)] for bs in args.batch_sizes}
+        best: dict[tuple[int, str, int], tuple[float, int]] = {}
+        for config in configs:  # warm-up
+            llm.generate(prompts[args.batch_sizes[0]], params(config, 4))
+        for round_ in range(args.repeats):
+            order = [(bs, c, t) for bs in args.batch_sizes for c in configs
+                     for t in (args.max_tokens, 1)]
+            for key in (order if round_ % 2 == 0 else order[::-1]):
+                bs, config, tokens = key
+                start = time.perf_counter()
+                outs = llm.generate(prompts[bs], params(config, tokens))
+                seconds = time.perf_counter() - start
+                count = sum(len(o.token_ids) for o in outs)
+                if key not in best or seconds < best[key][0]:
+                    best[key] = (seconds, count)
+    rows = []
+    for bs in args.batch_sizes:
+        base = None
+        for config in configs:
+            (t_long, n_long), (t_one, n_one) = (best[(bs, config, args.max_tokens)],
+                                                best[(bs, config, 1)])
+            decode_tokens, decode_s = n_long - n_one, max(t_long - t_one, 1e-9)
+            rate = decode_tokens / decode_s
+            base = rate if base is None else base
+            steps = max(1, args.max_tokens - 1)
+            rows.append([str(bs), config, str(n_long), f"{rate:.1f}",
+                         f"{1e3 * decode_s / steps:.2f}", f"{rate / base:.3f}x"])
+    print(f"model {model.name}, device {args.device}, max_tokens {args.max_tokens}, best of "
+          f"{args.repeats}; jump-forward: not built yet")
+    print(markdown_table(HEADER, rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
