@@ -273,3 +273,17 @@ def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
     assert all(number(r[2]) > 0 and number(r[3]) > 0 and number(r[4]) > 0 for r in rows)
     assert [r[4] for r in rows if r[1] == "none"] == ["1.00x", "1.00x"]
     assert "penalties 760,320 B/row = 194.6 MB" in run.stdout
+
+
+def test_bench_structured_output_prints_guided_next_to_unguided() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_structured_output.py"), "--batch-sizes", "1", "2",
+         "--max-tokens", "16", "--repeats", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    header, rows = last_table(run.stdout)
+    assert header == ["batch", "config", "tokens", "decode tok/s", "ms/step", "vs unguided"]
+    assert [(r[0], r[1]) for r in rows] == [(b, c) for b in ("1", "2")
+                                            for c in ("unguided", "json_schema")]
+    assert all(number(cell) > 0 for r in rows for cell in r[2:])
+    assert run.stdout.count("compile ") == 3 and "cached" in run.stdout
