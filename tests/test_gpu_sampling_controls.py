@@ -378,3 +378,16 @@ def test_returned_logits_equal_hf(engine: LLM, hf: torch.nn.Module) -> None:
     assert first.context_logits.shape == full.shape
     assert abs(first.context_logits - full).max() < LOGPROB_TOL
     assert outputs[1].token_ids == hf_generate(hf, prompts[1])
+
+
+def test_structured_output_equals_the_cpu_engine(engine: LLM, cpu_engine: LLM) -> None:
+    """Guided greedy decoding (a JSON schema, a regex) with graphs and overlap as the engine
+    fixture sets them gives the CPU engine's tokens, next to an unguided request."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"]}
+    prompts = mixed_prompts(3, seed=33)
+    cases = [params(json_schema=schema), params(regex="[0-9]{2}-[a-z]{3}"), params()]
+    got = engine.generate(prompts, cases)
+    want = cpu_engine.generate(prompts, cases)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
