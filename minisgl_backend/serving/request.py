@@ -101,10 +101,10 @@ def decode_text(value: Any, name: str) -> str:
     raise RequestError(f"{name} must be a string")
 
 
-def text_list(get: GetInput, name: str, limits: RequestPolicy,
+def text_list(get: GetInput, name: str, max_entries: int, max_length: int,
               keep_empty: bool = False) -> list[str]:
     """All strings of an optional STRING input (any shape), empty strings dropped unless
-    `keep_empty`, within the limits on entries and their length."""
+    `keep_empty`; at most `max_entries` of at most `max_length` characters each."""
     array = get(name)
     if array is None:
         return []
@@ -112,13 +112,17 @@ def text_list(get: GetInput, name: str, limits: RequestPolicy,
         raise RequestError(f"{name} must be STRING, got dtype {array.dtype}")
     words = [decode_text(v, name) for v in array.reshape(-1)]
     words = words if keep_empty else [w for w in words if w]
-    if len(words) > limits.max_stop_words:
-        raise RequestError(f"{name} has {len(words)} entries; the limit is "
-                           f"{limits.max_stop_words}")
-    if any(len(word) > limits.max_stop_word_length for word in words):
-        raise RequestError(f"{name} entries may have {limits.max_stop_word_length} characters "
-                           f"at most")
+    if len(words) > max_entries:
+        raise RequestError(f"{name} has {len(words)} entries; the limit is {max_entries}")
+    if any(len(word) > max_length for word in words):
+        raise RequestError(f"{name} entries may have {max_length} characters at most")
     return words
+
+
+def word_list(get: GetInput, name: str, limits: RequestPolicy,
+              keep_empty: bool = False) -> list[str]:
+    """A list-of-words input (stop, bad and embedding-bias words) within the policy's limits."""
+    return text_list(get, name, limits.max_stop_words, limits.max_stop_word_length, keep_empty)
 
 
 def float_list(get: GetInput, name: str) -> list[float]:
@@ -254,7 +258,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     if return_log_probs:
         values["logprobs"] = 0  # the sampled tokens' log-probabilities, no alternatives
     values.update(_word_controls(get, tokenizer, limits, given_as))
-    values.update(_guide(get, given_as))
+    values.update(_guide(get, limits, given_as))
     flags = {name: bool(scalar(get, name, "bool", False)) for name in (
         "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason",
         "return_cached_tokens", "return_perf_metrics")}
@@ -287,23 +291,23 @@ GUIDE_TYPES = {"json": "json_object", "json_schema": "json_schema", "regex": "re
                "ebnf_grammar": "grammar"}
 
 
-def _guide(get: GetInput, given_as: dict[str, str]) -> dict[str, Any]:
-    """Structured output from `guided_decoding_guide_type` and `guided_decoding_guide`."""
-    kinds = text_list(get, "guided_decoding_guide_type", RequestPolicy(), keep_empty=True)
-    guides = text_list(get, "guided_decoding_guide", RequestPolicy(max_stop_word_length=1 << 20),
-                       keep_empty=True)
+def _guide(get: GetInput, limits: RequestPolicy, given_as: dict[str, str]) -> dict[str, Any]:
+    """Structured output from `guided_decoding_guide_type` and `guided_decoding_guide` (a
+    guide may be as long as a prompt)."""
+    kinds = text_list(get, "guided_decoding_guide_type", 1, 64, keep_empty=True)
+    guides = text_list(get, "guided_decoding_guide", 1, limits.max_input_bytes, keep_empty=True)
     if not kinds:
         if guides:
             raise RequestError("guided_decoding_guide needs guided_decoding_guide_type")
         return {}
-    if len(kinds) != 1 or kinds[0] not in GUIDE_TYPES:
+    if kinds[0] not in GUIDE_TYPES:
         raise RequestError(f"guided_decoding_guide_type must be one of "
-                           f"{', '.join(GUIDE_TYPES)}, got {kinds}")
+                           f"{', '.join(GUIDE_TYPES)}, got {kinds[0]!r}")
     target = GUIDE_TYPES[kinds[0]]
     if target == "json_object":
         given_as[target] = "guided_decoding_guide_type"
         return {target: True}
-    if len(guides) != 1 or not guides[0]:
+    if not guides or not guides[0]:
         raise RequestError(f"guided_decoding_guide must hold the {kinds[0]} (one string)")
     given_as[target] = "guided_decoding_guide"
     return {target: guides[0]}
@@ -315,11 +319,11 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     TensorRT-LLM's preprocessing does: bad words as written without special tokens, embedding
     bias words with them (each of a word's tokens gets the word's weight; weights add up)."""
     values: dict[str, Any] = {}
-    stop = text_list(get, "stop_words", limits)
+    stop = word_list(get, "stop_words", limits)
     if stop:
         values["stop"] = stop
-    bad = text_list(get, "bad_words", limits)
-    bias_words = text_list(get, "embedding_bias_words", limits, keep_empty=True)
+    bad = word_list(get, "bad_words", limits)
+    bias_words = word_list(get, "embedding_bias_words", limits, keep_empty=True)
     bias_weights = float_list(get, "embedding_bias_weights")
     if len(bias_words) != len(bias_weights):
         raise RequestError(f"embedding_bias_weights must have one weight per "
