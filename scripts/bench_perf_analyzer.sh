@@ -46,31 +46,13 @@ fi
 
 WORK="${KEEP_DIR:-$(mktemp -d /tmp/bench_pa.XXXXXX)}"
 mkdir -p "$WORK"
-SERVER_PID=""
+. scripts/server_control.sh  # model_ready, start_server_and_wait, stop_server
 cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "== stopping the server (pid $SERVER_PID)"
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 120); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
+  stop_server
   [ -n "${KEEP_DIR:-}" ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-
-model_ready() {  # exit 0 when the ensemble is ready at GRPC_URL
-  python - "$GRPC_URL" <<'EOF' 2>/dev/null
-import sys
-import tritonclient.grpc as grpcclient
-try:
-    ok = grpcclient.InferenceServerClient(sys.argv[1]).is_model_ready("ensemble")
-except Exception:
-    ok = False
-sys.exit(0 if ok else 1)
-EOF
-}
 
 if [ "$START" = 1 ]; then
   if model_ready; then
@@ -80,17 +62,7 @@ if [ "$START" = 1 ]; then
   fi
   echo "== starting scripts/serve.sh (HTTP ${HTTP_PORT:-8000}, gRPC ${GRPC_PORT:-8001}," \
     "metrics ${METRICS_PORT:-8002}); log: $WORK/server.log"
-  ./scripts/serve.sh > "$WORK/server.log" 2>&1 &  # serve.sh execs tritonserver: same pid
-  SERVER_PID=$!
-  deadline=$((SECONDS + ${READY_TIMEOUT:-600}))
-  until model_ready; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-      echo "bench_perf_analyzer.sh: the server did not become ready; last log lines:" >&2
-      tail -n 30 "$WORK/server.log" >&2
-      exit 1
-    fi
-    sleep 2
-  done
+  start_server_and_wait bench_perf_analyzer.sh "$WORK/server.log"
 elif ! model_ready; then
   echo "bench_perf_analyzer.sh: no ready 'ensemble' at $GRPC_URL (set GRPC_URL, or use --start)" >&2
   exit 1

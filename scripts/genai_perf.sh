@@ -67,31 +67,13 @@ VENV="$("$PY" scripts/client_venv.py genai-perf)"  # made (pip) on first use, re
 GENAI_PERF="$VENV/bin/genai-perf"
 
 WORK="$(mktemp -d /tmp/genai_perf.XXXXXX)"
-SERVER_PID=""
+. scripts/server_control.sh  # model_ready, start_server_and_wait, stop_server
 cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "== stopping the server (pid $SERVER_PID)"
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 120); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
+  stop_server
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-
-model_ready() {  # exit 0 when the ensemble is ready at GRPC_URL
-  "$PY" - "$GRPC_URL" <<'EOF' 2>/dev/null
-import sys
-import tritonclient.grpc as grpcclient
-try:
-    ok = grpcclient.InferenceServerClient(sys.argv[1]).is_model_ready("ensemble")
-except Exception:
-    ok = False
-sys.exit(0 if ok else 1)
-EOF
-}
 
 if [ -z "$GRPC_URL" ]; then
   read -r HTTP_PORT GRPC_PORT METRICS_PORT < <("$PY" -c \
@@ -99,17 +81,7 @@ if [ -z "$GRPC_URL" ]; then
   export HTTP_PORT GRPC_PORT METRICS_PORT
   GRPC_URL="localhost:$GRPC_PORT"
   echo "== starting scripts/serve.sh (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT)"
-  ./scripts/serve.sh > "$WORK/server.log" 2>&1 &  # serve.sh execs tritonserver: same pid
-  SERVER_PID=$!
-  deadline=$((SECONDS + ${READY_TIMEOUT:-600}))
-  until model_ready; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-      echo "genai_perf.sh: the server did not become ready; last log lines:" >&2
-      tail -n 30 "$WORK/server.log" >&2
-      exit 1
-    fi
-    sleep 2
-  done
+  start_server_and_wait genai_perf.sh "$WORK/server.log"
 elif ! model_ready; then
   echo "genai_perf.sh: no ready 'ensemble' at $GRPC_URL" >&2
   exit 1
