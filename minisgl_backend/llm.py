@@ -138,16 +138,17 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        checked = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"sampling_params[{i}].stop needs a tokenizer in the model folder")
             try:
-                self.scheduler.check_request(ids, p)
+                checked.append(self.scheduler.check_request(ids, p))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
         collector = _Collector([p.n for p in params])
         for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self.scheduler.submit(ids, p, collector.callback_for(i))
+            self.scheduler.submit(ids, p, collector.callback_for(i), checked[i])
         return collector.wait()
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:

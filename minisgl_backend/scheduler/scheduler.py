@@ -181,7 +181,7 @@ class Scheduler:
         return CheckedRequest(bans, self.grammars.compile(params))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               callback: OutputCallback) -> int:
+               callback: OutputCallback, checked: CheckedRequest | None = None) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
         A request with `params.n` samples runs as n requests with uids `uid .. uid + n - 1`,
@@ -190,18 +190,21 @@ class Scheduler:
         prompt is in the prefix cache (the prompt is computed once). An invalid request, a dead
         engine or a scheduler that was shut down ends every sample through `callback` with an
         error. Uids follow the order requests are queued in. `abort(uid)` ends all samples.
+        `checked`: what `check_request` already returned for this request (else it runs here,
+        before the lock: a first grammar compile may take a while).
         """
         seed = params.seed if params.seed is not None else random.getrandbits(64)
+        error = None
+        if checked is None:
+            try:
+                checked = self.check_request(prompt_ids, params)
+            except ValueError as exc:
+                error, checked = str(exc), CheckedRequest((), None)
         with self._uid_lock:  # queued under the lock: nothing is queued after shutdown's None
             uid, self._next_uid = self._next_uid, self._next_uid + params.n
             reqs = [Req(uid=uid + i, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
                         sampling_params=params, seed=sample_seed(seed, i), index=i)
                     for i in range(params.n)]
-            error, checked = None, CheckedRequest((), None)
-            try:
-                checked = self.check_request(reqs[0].input_ids, params)
-            except ValueError as exc:
-                error = str(exc)
             if error is None and (self._shut_down or not self._thread.is_alive()):
                 error = "the engine was shut down" if self._shut_down else self.failure
             if error is None:

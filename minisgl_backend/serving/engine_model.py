@@ -133,7 +133,7 @@ class TritonPythonModel:
                                           self.llm.tokenizer, self.limits, self.llm.vocab_size,
                                           request.parameters())
             try:  # a guide that does not compile, a prompt too long for the engine, ...
-                self.scheduler.check_request(parsed.prompt_ids, parsed.params)
+                checked = self.scheduler.check_request(parsed.prompt_ids, parsed.params)
             except ValueError as exc:
                 raise RequestError(parsed.name_inputs(str(exc))) from None
         except (RequestError, ValueError) as exc:
@@ -147,7 +147,7 @@ class TritonPythonModel:
             return
         state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
         state.uid = self.scheduler.submit(parsed.prompt_ids, parsed.params,
-                                          lambda out: self.outputs.put((state, out)))
+                                          lambda out: self.outputs.put((state, out)), checked)
         self.submitted.put(state)
 
     # ----- response thread ------------------------------------------------------------------
