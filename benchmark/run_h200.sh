@@ -45,9 +45,11 @@ wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "
 wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprovider \
   tests/test_gpu_engine.py tests/test_triton_attention.py -k "flashinfer or tensor_parallel"
 export CUDA_VISIBLE_DEVICES=0
-for shape in qwen3-0.6b llama-3.1-8b; do  # + each engine's device timeline in OUT/steps
-  wants offline && MINISGL_STEP_TIMES_DIR="$OUT/steps" TAIL=1 step 180 "offline-$shape" \
-    python3 scripts/bench_offline.py --shape "$shape" --page-size 64
+# The anchor workload without, then with the shape's tokenizer (two engines, each timed call
+# 7-15 s): the detokenizer's cost. + each engine's device timeline in OUT/steps.
+for shape in qwen3-0.6b llama-3.1-8b; do
+  wants offline && MINISGL_STEP_TIMES_DIR="$OUT/steps" TAIL=7 step 300 "offline-$shape" \
+    python3 scripts/bench_offline.py --shape "$shape" --page-size 64 --detokenize both
 done
 if wants decode; then
   step 600 decode-llama-3.1-8b python3 scripts/bench_decode.py --shape llama-3.1-8b \

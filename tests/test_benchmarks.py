@@ -17,6 +17,7 @@ import torch
 from minisgl_backend.benchmark.cli import human_bytes, markdown_table
 from minisgl_backend.benchmark.hardware import weight_bytes
 from minisgl_backend.benchmark.shapes import SHAPES, shape_config
+from minisgl_backend.benchmark.tokenizer import shape_tokenizer, write_tokenizer
 from minisgl_backend.benchmark.workloads import anchor_workload, shared_prefix_workload
 from minisgl_backend.models import ModelConfig
 
@@ -26,7 +27,7 @@ RUNS: dict[str, list[str]] = {
     "bench_decode": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens", "24",
                      "--prompt-len", "4", "--repeats", "1", "--copy-mib", "16"],
     "bench_offline": ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4",
-                      "--max-len", "12"],
+                      "--max-len", "12", "--detokenize", "both"],
     "bench_mechanisms": ["--shape", "tiny-qwen3-moe", "--num-requests", "3", "--min-len", "4",
                          "--max-len", "8", "--prefix-requests", "3", "--prefix-len", "48",
                          "--suffix-len", "4", "--prefix-output-len", "2"],
@@ -76,7 +77,8 @@ def check_run(outputs: dict[str, subprocess.CompletedProcess], name: str,
     records = [dict(zip(columns, row)) for row in rows]
     for record in records:
         for column, cell in record.items():
-            if cell == "-" or column in ("shape", "mechanism", "setting", "workload"):
+            if cell == "-" or column in ("shape", "mechanism", "setting", "workload",
+                                         "detokenize"):
                 continue
             assert number(cell) > 0 or (column in may_be_zero and number(cell) == 0), record
     return records
@@ -92,11 +94,27 @@ def test_bench_decode(outputs: dict[str, subprocess.CompletedProcess]) -> None:
 
 
 def test_bench_offline(outputs: dict[str, subprocess.CompletedProcess]) -> None:
+    """Without, then with the shape's tokenizer in the model folder (the outputs have text)."""
     rows = check_run(outputs, "bench_offline", (
-        "shape", "requests", "input tokens", "output tokens", "total s", "output tok/s"))
-    assert len(rows) == 1 and rows[0]["shape"] == "tiny-qwen3" and rows[0]["requests"] == "4"
+        "shape", "detokenize", "requests", "input tokens", "output tokens", "total s",
+        "output tok/s"))
+    assert [(r["shape"], r["detokenize"], r["requests"]) for r in rows] == [
+        ("tiny-qwen3", "off", "4"), ("tiny-qwen3", "on", "4")]
     expected = anchor_workload(SHAPES["tiny-qwen3"]["vocab_size"], 4, 4, 12)
-    assert int(rows[0]["output tokens"]) == expected.output_tokens
+    assert all(int(r["output tokens"]) == expected.output_tokens for r in rows)
+    assert "tokenizer 'word-level'" in outputs["bench_offline"].stdout
+    assert "detokenizer cost: " in outputs["bench_offline"].stdout
+
+
+def test_bench_offline_replays_the_detokenizer_alone() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_offline.py"), "--device", "cpu", "--shape",
+         "tiny-llama", "--num-requests", "4", "--min-len", "4", "--max-len", "12",
+         "--detokenize", "replay"], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = anchor_workload(SHAPES["tiny-llama"]["vocab_size"], 4, 4, 12)
+    assert f"tokenizer 'word-level', random outputs of the anchor workload (4 requests, " \
+        f"{expected.output_tokens} tokens): " in run.stdout
 
 
 def test_bench_mechanisms(outputs: dict[str, subprocess.CompletedProcess]) -> None:
@@ -151,6 +169,36 @@ def test_anchor_workload_is_reproducible_and_in_range() -> None:
                for p in a.params)
     assert all(0 <= t < 1000 for p in a.prompts for t in p)
     assert anchor_workload(1000, 8, seed=1).prompts != a.prompts[:8]
+
+
+@pytest.mark.parametrize("vocab_size", [151936, 128256])
+def test_anchor_workload_is_upstreams(vocab_size: int) -> None:
+    """The request set of upstream mini-sglang's benchmark/offline/bench.py (its totals)."""
+    w = anchor_workload(vocab_size)
+    assert (len(w), w.input_tokens, w.output_tokens) == (256, 142_827, 133_966)
+    assert max(t for p in w.prompts for t in p) == 10000 and w.prompts[0][:3] == [6311, 6890, 663]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_tokenizer_decodes_every_id(shape: str) -> None:
+    vocab_size = SHAPES[shape]["vocab_size"]
+    tokenizer = shape_tokenizer(shape, vocab_size)
+    texts = tokenizer.decode_batch([[i] for i in range(vocab_size)], skip_special_tokens=False)
+    assert len(texts) == vocab_size and all(texts)
+
+
+def test_llama_3_tokenizer_folder_loads_with_transformers(tmp_path: Path) -> None:
+    """The folder `LLM` gets: AutoTokenizer loads Llama 3's tokenizer with its special tokens."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer("llama-3.1-8b", SHAPES["llama-3.1-8b"]["vocab_size"], tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tokenizer) == 128256
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (128000, 128001)
+    ids = tokenizer.encode("Hello world, this is Llama 3!", add_special_tokens=False)
+    assert ids == [9906, 1917, 11, 420, 374, 445, 81101, 220, 18, 0]
+    assert tokenizer.decode(ids + [128001], skip_special_tokens=True) == \
+        "Hello world, this is Llama 3!"
 
 
 def test_shared_prefix_workload() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from minisgl_backend.benchmark.shapes import SHAPES, describe, shape_config, write_config
+from minisgl_backend.benchmark.tokenizer import write_tokenizer
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 
 
@@ -68,11 +69,16 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def model_folder(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """A temporary folder holding only the shape's config.json, and that config."""
+def model_folder(args: argparse.Namespace,
+                 tokenizer: bool = False) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A temporary folder holding the shape's config.json, and that config. With `tokenizer`,
+    the folder holds the shape's benchmark tokenizer too, so that `LLM` detokenizes outputs."""
     config = shape_config(args.shape, args.num_layers)
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.shape}-") as tmp:
-        yield write_config(config, tmp), config
+        folder = write_config(config, tmp)
+        if tokenizer:
+            write_tokenizer(args.shape, config["vocab_size"], folder)
+        yield folder, config
 
 
 def torch_device(args: argparse.Namespace) -> torch.device:

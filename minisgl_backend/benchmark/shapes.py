@@ -61,6 +61,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-qwen3-moe": {**_QWEN3_30B_A3B, **_TINY_SIZES, **_TINY_MOE_SIZES},
 }
 
+# The tokenizer of each shape's benchmark model folder (`minisgl_backend.benchmark.tokenizer`):
+# a committed one in benchmark/tokenizers/<name>/; shapes not named get a word-level tokenizer
+# over their vocabulary (tiny-llama too: its 512 ids are not Llama 3's).
+SHAPE_TOKENIZERS: dict[str, str] = {"llama-3.1-8b": "llama-3"}
+
 
 def shape_config(name: str, num_layers: int | None = None) -> dict[str, Any]:
     """A copy of the config.json dict of shape `name`, optionally with fewer/more layers."""

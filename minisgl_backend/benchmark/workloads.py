@@ -36,22 +36,25 @@ def random_tokens(rng: random.Random, vocab_size: int, length: int) -> list[int]
 
 def anchor_workload(
     vocab_size: int, num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
-    seed: int = 0, temperature: float = 0.6,
+    seed: int = 0, temperature: float = 0.6, max_token_id: int = 10000,
 ) -> Workload:
-    """The anchor offline workload: input and output lengths uniform in [min_len, max_len].
+    """The anchor offline workload, drawn as upstream mini-sglang's `benchmark/offline/bench.py`.
 
-    Per request, in this order: its input length, its output length, then its prompt tokens,
-    all drawn from one `random.Random(seed)`. Sampling is seeded per request (its index).
+    From one `random.Random(seed)` (the same stream as upstream's `random.seed(seed)`): every
+    prompt in turn, its length `randint(min_len, max_len)` then its ids `randint(0, top)`; then
+    every output length `randint(min_len, max_len)`. `top` is `max_token_id`, or the vocabulary's
+    last id when the vocabulary is smaller (tiny shapes: a different stream). With the defaults
+    and a vocabulary above 10,000 ids: 142,827 input and 133,966 output tokens. Sampling is
+    seeded per request (its index); every request runs to its output length (ignore_eos).
     """
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
     rng = random.Random(seed)
-    prompts, params = [], []
-    for i in range(num_requests):
-        input_len, output_len = rng.randint(min_len, max_len), rng.randint(min_len, max_len)
-        prompts.append(random_tokens(rng, vocab_size, input_len))
-        params.append(SamplingParams(max_tokens=output_len, temperature=temperature,
-                                     ignore_eos=True, seed=i))
+    top = min(max_token_id, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(min_len, max_len))]
+               for _ in range(num_requests)]
+    params = [SamplingParams(max_tokens=rng.randint(min_len, max_len), temperature=temperature,
+                             ignore_eos=True, seed=i) for i in range(num_requests)]
     return Workload(prompts, params)
 
 
