@@ -10,6 +10,8 @@ atomic and merge sit on the critical path, while the merge kernel's programs run
 The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
 launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
 divided among the splits inside the kernel, and splits past its end produce empty partials.
+A sliding-window layer (`window` > 0) attends to each request's last `window` tokens: the splits
+divide those only (the kernel is compiled apart, so full-attention layers pay nothing).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, rows_ptr, seq_lens_ptr,
     o_ptr, part_o_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # SLIDING: keys at positions >= seq_len - window only
     stride_q_tok, stride_q_head,
     stride_cache_slot, stride_cache_head,
     stride_pt_row,
@@ -40,17 +43,23 @@ def _decode_split_kernel(
     stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
+    first = 0  # the first key attended to
+    lo = 0  # where the splits begin: `first` rounded down to a block, so blocks stay aligned
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+        lo = first // BLOCK_N * BLOCK_N
     # Equal slices rounded up to whole blocks, so only the last slice has a ragged end.
     # (Plain integer arithmetic: tl.cdiv is a jit function, costly in the interpreter.)
-    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * per_split
+    per_split = ((seq_len - lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N \
+        * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -68,10 +77,13 @@ def _decode_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Every block holds at least one valid key (pos = n0 < end), so the running max is finite.
+    # Every block holds at least one valid key (pos = n0 < end, or the first key), so the
+    # running max is finite.
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + n
         n_mask = pos < end
+        if SLIDING:
+            n_mask = n_mask & (pos >= first)
         if PAGE_SIZE % BLOCK_N == 0:
             # Blocks start at multiples of BLOCK_N, so a block lies inside one page.
             page = tl.load(page_row + n0 // PAGE_SIZE).to(tl.int64)
@@ -223,9 +235,11 @@ def decode_attention(
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
     launch: DecodeLaunch | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [bs, heads, head_dim] attends to its request's first seq_lens[i] tokens -> [bs, heads,
-    head_dim] (in q's dtype, or written into `out`).
+    head_dim] (in q's dtype, or written into `out`); with `window` > 0 to the last `window` of
+    them only.
 
     k_cache/v_cache: flat pool views [slots, kv_heads, head_dim]; a request's token at position
     p lives in slot page_table[rows[i], p // page_size] * page_size + p % page_size.
@@ -265,14 +279,14 @@ def decode_attention(
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
     _decode_split_kernel[(bs, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, out, partial_o, partial_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        SLIDING=window > 0, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(bs, kv_heads)](

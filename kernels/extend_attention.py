@@ -4,7 +4,9 @@ A request's new tokens are the last extend_lens[i] of its seq_lens[i] tokens, so
 position p (absolute, counting the cached prefix) sees the keys at positions <= p. K/V of the
 prefix and of the new tokens are both read from the pool (the new ones are stored before the
 call). Grid: (request, query block, query head); each program runs the online-softmax loop
-over its request's keys up to the end of its query block.
+over its request's keys up to the end of its query block. A sliding-window layer (`window` > 0)
+lets the query at p see the keys at p - window < position <= p only, and its loop starts at
+the block's first visible key (compiled apart: full-attention layers pay nothing).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ def _extend_kernel(
     q_ptr, o_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr,
     rows_ptr, seq_lens_ptr, q_starts_ptr, extend_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # SLIDING: keys within `window` positions of the query, itself included
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_slot, stride_cache_head, stride_pt_row,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     req = tl.program_id(0)
     block = tl.program_id(1)
@@ -59,8 +62,13 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Key 0 is visible to every query, so after the first block each running max is finite.
-    for n0 in range(0, kv_end, BLOCK_N):
+    lo = 0
+    if SLIDING:  # from the block's first visible key, rounded down to a whole block
+        lo = tl.maximum(prefix_len + block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    # Full attention: key 0 is visible to every query, so after the first block each running
+    # max is finite. With a window a row may see nothing in a block: its max stays -inf, and
+    # 0 stands in for it in the exponents (exp2(-inf) = 0, never NaN).
+    for n0 in range(lo, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         page = tl.load(page_row + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -69,10 +77,15 @@ def _extend_kernel(
                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+        if SLIDING:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
         denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -110,9 +123,11 @@ def extend_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim] (the requests' new tokens, back to back) -> [tokens, heads,
-    head_dim] (in q's dtype, or written into `out`).
+    head_dim] (in q's dtype, or written into `out`). `window` > 0: each query sees its last
+    `window` keys only (itself included).
 
     Request i's queries are q[q_starts[i] : q_starts[i] + extend_lens[i]], at positions
     seq_lens[i] - extend_lens[i] onwards; its K/V (all seq_lens[i] tokens) are in the flat pool
@@ -144,11 +159,11 @@ def extend_attention(
     grid = (bs, triton.cdiv(max_extend_len, block_m), num_heads)
     _extend_kernel[grid](
         q, out, k_cache, v_cache, page_table, rows, seq_lens, q_starts, extend_lens,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
+        DOT_PRECISION=precision, SLIDING=window > 0, num_warps=num_warps, num_stages=2,
     )
     return out

@@ -128,10 +128,10 @@ class World:
         return tri, TorchAttentionBackend(self.ref_pool, self.num_heads, self.head_dim)
 
     def reference(self, ref: TorchAttentionBackend, batch: Batch, layer: int, q: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                  k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         ref_batch = dataclasses.replace(batch, attn_metadata=None)
         ref.prepare(ref_batch, self.page_table)
-        return ref.forward(q.float(), k.float(), v.float(), layer, ref_batch)
+        return ref.forward(q.float(), k.float(), v.float(), layer, ref_batch, window)
 
     def assert_close(self, out: torch.Tensor, expected: torch.Tensor) -> None:
         assert out.dtype == self.target.dtype
@@ -160,6 +160,52 @@ def test_backend_matches_torch_reference(target: Target, heads: tuple[int, int],
     assert out.shape == (q.shape[0], world.num_heads * world.head_dim)
     world.assert_close(out, world.reference(ref, batch, layer, q, k, v))
     world.assert_pools_equal()
+
+
+# Wider than a key block and not a multiple of it (blocks hold 16 keys on CPU, 16 to 64 on GPU).
+WINDOW = 21
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sliding_window_matches_torch_reference(target: Target, page_size: int,
+                                                scenario: str) -> None:
+    """A sliding-window layer: each query sees its last WINDOW keys (the reference is checked
+    against the naive one in test_torch_reference_sliding_window)."""
+    world = World(target, 8, 2, page_size)
+    phase, reqs = SCENARIOS[scenario]
+    batch = world.batch(phase, reqs)
+    tri, ref = world.backends()
+    tri.prepare(batch, world.page_table)
+    q, k, v = world.qkv(len(batch.out_slots))
+    out = tri.forward(q, k, v, 1, batch, window=WINDOW)
+    world.assert_close(out, world.reference(ref, batch, 1, q, k, v, window=WINDOW))
+    # The same step of a full-attention layer still sees every key.
+    full = tri.forward(q, None, None, 1, batch)
+    world.assert_close(full, world.reference(ref, batch, 1, q, k, v))
+
+
+def test_torch_reference_sliding_window() -> None:
+    """The reference backend's windows against the naive attention, both phases, and the
+    full-attention mask of the same step left alone."""
+    world = World(CPU, 4, 2, page_size=4)
+    _, ref = world.backends()
+    for phase, reqs in (SCENARIOS["mixed"], SCENARIOS["decode"]):
+        batch = world.batch(phase, reqs)
+        ref.prepare(batch, world.page_table)
+        q = world.qkv(len(batch.out_slots))[0]
+        kc, vc = world.ref_pool.k_cache(0), world.ref_pool.v_cache(0)
+        for window in (0, 5, WINDOW):
+            out = ref.forward(q, None, None, 0, batch, window).view(q.shape)
+            start = 0
+            for i, (prefix, n) in enumerate(reqs):
+                expected = _naive_attention(q[start : start + n], kc, vc, world.page_table,
+                                            int(batch.rows[i]),
+                                            torch.arange(prefix, prefix + n), prefix + n, 4,
+                                            window=window)
+                torch.testing.assert_close(out[start : start + n], expected)
+                start += n
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -252,15 +298,19 @@ def test_captured_cuda_graph_replays_new_batches() -> None:
 
 def _naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, row: int, q_positions: torch.Tensor,
-                     seq_len: int, page_size: int) -> torch.Tensor:
-    """fp32 attention of q [n, heads, d] at `q_positions` to the first seq_len tokens of a row."""
+                     seq_len: int, page_size: int, window: int = 0) -> torch.Tensor:
+    """fp32 attention of q [n, heads, d] at `q_positions` to the first seq_len tokens of a row
+    (with `window`: to each query's last `window` of them)."""
     pos = torch.arange(seq_len, device=q.device)
     slots = page_table[row, pos // page_size].long() * page_size + pos % page_size
     group = q.shape[1] // k_cache.shape[1]
     k = k_cache[slots].float().repeat_interleave(group, 1)
     v = v_cache[slots].float().repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(pos[None, None, :] > q_positions[None, :, None], float("-inf"))
+    hidden = pos[None, None, :] > q_positions[None, :, None]
+    if window:
+        hidden |= pos[None, None, :] <= q_positions[None, :, None] - window
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -315,6 +365,31 @@ def test_decode_kernel_splits_padding_and_odd_shapes(target: Target, page_size: 
             world.assert_close(out[i : i + 1], expected)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("window", [5, 40])
+def test_decode_kernel_sliding_window_splits(target: Target, window: int) -> None:
+    """Windows narrower and wider than a block, shorter and longer than the requests, with
+    one and several splits, on the one-page-per-block path (page 16)."""
+    world = World(target, 6, 2, page_size=16)
+    dev = target.device
+    rows = torch.tensor([3, 0, 5, 1], device=dev)
+    lens = [33, 0, 3, 64]
+    q = _rand((4, 6, world.head_dim), target, world.gen)
+    kc, vc = world.pool.k_cache(0), world.pool.v_cache(0)
+    for splits in (1, 3):
+        out = decode_attention(q, kc, vc, world.page_table, rows,
+                               torch.tensor(lens, dtype=torch.int32, device=dev), page_size=16,
+                               sm_scale=world.head_dim**-0.5, num_splits=splits,
+                               launch=DecodeLaunch(block_n=16), window=window)
+        for i, n in enumerate(lens):
+            if n == 0:
+                assert torch.all(out[i] == 0)
+                continue
+            expected = _naive_attention(q[i : i + 1], kc, vc, world.page_table, int(rows[i]),
+                                        torch.tensor([n - 1], device=dev), n, 16, window=window)
+            world.assert_close(out[i : i + 1], expected)
+
+
 def test_decode_num_splits_depends_only_on_batch_size() -> None:
     assert decode_num_splits(1, 8, max_splits=16) == 16
     assert decode_num_splits(8, 8, max_splits=16) == 4
@@ -347,6 +422,32 @@ def test_extend_kernel_blocks_strided_q_and_odd_shapes(target: Target) -> None:
         expected = _naive_attention(q[starts[i] : starts[i] + n], world.pool.k_cache(1),
                                     world.pool.v_cache(1), world.page_table, int(rows[i]),
                                     torch.arange(p, p + n, device=dev), p + n, 16)
+        world.assert_close(out[starts[i] : starts[i] + n], expected)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_extend_kernel_sliding_window_blocks(target: Target) -> None:
+    """16 x 16 tiles and a window of 5: query rows that see no key of a block (their running
+    max stays -inf there) and loops that start past key 0."""
+    world = World(target, 6, 2, page_size=4)
+    dev = target.device
+    reqs = [(20, 35), (0, 3), (47, 17)]
+    rows = torch.tensor([4, 1, 2], device=dev)
+    q = _rand((sum(n for _, n in reqs), 6, world.head_dim), target, world.gen)
+    starts = [0, 35, 38]
+
+    def as_i32(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32, device=dev)
+
+    kc, vc = world.pool.k_cache(1), world.pool.v_cache(1)
+    out = extend_attention(q, kc, vc, world.page_table, rows, as_i32([p + n for p, n in reqs]),
+                           as_i32(starts), as_i32([n for _, n in reqs]), max_extend_len=35,
+                           page_size=4, sm_scale=world.head_dim**-0.5, block_m=16, block_n=16,
+                           window=5)
+    for i, (p, n) in enumerate(reqs):
+        expected = _naive_attention(q[starts[i] : starts[i] + n], kc, vc, world.page_table,
+                                    int(rows[i]), torch.arange(p, p + n, device=dev), p + n, 4,
+                                    window=5)
         world.assert_close(out[starts[i] : starts[i] + n], expected)
 
 

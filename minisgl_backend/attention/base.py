@@ -14,7 +14,10 @@ class AttentionBackend(ABC):
 
     `prepare(batch, page_table)` runs once per step and stores whatever the kernels need in
     `batch.attn_metadata`; `forward` stores this step's K/V in the pool (unless the caller
-    already did, passing `k = v = None`) and attends.
+    already did, passing `k = v = None`) and attends. A sliding-window layer passes its
+    `window` (each query attends to its last `window` tokens, itself included; HF's
+    `sliding_window`); full-attention layers make the call without it. The K/V of tokens
+    that left the window stay in the pool.
 
     Decode steps can be replayed from CUDA graphs when `supports_cuda_graph` is True. The
     engine then calls `init_cuda_graph(max_bs)` once, `prepare_for_capture(batch, page_table)`
@@ -33,10 +36,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch,
+        batch: Batch, window: int = 0,
     ) -> torch.Tensor:
         """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] or None (already in the pool)
-        -> [tokens, heads * dim]."""
+        -> [tokens, heads * dim]. `window`: see the class docstring (0: full attention)."""
 
     def init_cuda_graph(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -24,9 +24,9 @@ class HybridAttentionBackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch,
+        batch: Batch, window: int = 0,
     ) -> torch.Tensor:
-        return self._backend(batch).forward(q, k, v, layer_id, batch)
+        return self._backend(batch).forward(q, k, v, layer_id, batch, window)
 
     def init_cuda_graph(self, max_bs: int) -> None:
         self.decode_backend.init_cuda_graph(max_bs)

@@ -6,7 +6,7 @@ prefill attends request by request; decode gathers a padded [batch, max_len] blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,19 @@ from minisgl_backend.kvcache.pool import PagedKVPool
 class TorchAttnMetadata:
     kv_slots: torch.Tensor  # [bs, max_seq_len] slot of every token (padding: the dummy slot)
     kv_mask: torch.Tensor  # [bs, 1, q_len or 1, max_seq_len] True where a query may attend
+    q_pos: torch.Tensor  # [bs, q_len or 1] position of every query
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int) -> torch.Tensor:
+        """kv_mask, limited to each query's last `window` keys (0: no limit); built once per
+        window and step."""
+        if not window:
+            return self.kv_mask
+        if window not in self._window_masks:
+            kv_pos = torch.arange(self.kv_mask.shape[-1], device=self.kv_mask.device)
+            inside = kv_pos[None, None, None, :] > self.q_pos[:, None, :, None] - window
+            self._window_masks[window] = self.kv_mask & inside
+        return self._window_masks[window]
 
 
 def token_slots(page_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -46,31 +59,33 @@ class TorchAttentionBackend(AttentionBackend):
         slots = slots.masked_fill(~valid, self.kv_pool.dummy_slot)
         if batch.is_decode:
             mask = valid[:, None, None, :]
+            q_pos = (seq_lens - 1)[:, None]
         else:
             max_q = max(batch.extend_lens)
             q_pos = (seq_lens - torch.tensor(batch.extend_lens, device=device))[:, None] + \
                 torch.arange(max_q, device=device)[None, :]  # [bs, max_q]
             mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]
             mask = mask[:, None]  # [bs, 1, max_q, max_len]
-        batch.attn_metadata = TorchAttnMetadata(kv_slots=slots, kv_mask=mask)
+        batch.attn_metadata = TorchAttnMetadata(kv_slots=slots, kv_mask=mask, q_pos=q_pos)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch,
+        batch: Batch, window: int = 0,
     ) -> torch.Tensor:
         if k is not None:
             self.kv_pool.store(layer_id, batch.out_slots, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
+        kv_mask = meta.mask(window)
         k_all = self.kv_pool.k_cache(layer_id)[meta.kv_slots]  # [bs, max_len, kv_heads, dim]
         v_all = self.kv_pool.v_cache(layer_id)[meta.kv_slots]
         if batch.is_decode:
-            out = self._attend(q[:, None], k_all, v_all, meta.kv_mask)  # [bs, 1, heads, dim]
+            out = self._attend(q[:, None], k_all, v_all, kv_mask)  # [bs, 1, heads, dim]
             return out.reshape(q.shape[0], -1)
         outputs = []
         start = 0
         for i, n in enumerate(batch.extend_lens):
             length = batch.seq_lens[i]
-            mask = meta.kv_mask[i : i + 1, :, :n, :length]
+            mask = kv_mask[i : i + 1, :, :n, :length]
             o = self._attend(q[None, start : start + n], k_all[i : i + 1, :length],
                              v_all[i : i + 1, :length], mask)
             outputs.append(o[0])

@@ -96,7 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch,
+        batch: Batch, window: int = 0,
     ) -> torch.Tensor:
         k_cache = self.kv_pool.k_cache(layer_id)
         v_cache = self.kv_pool.v_cache(layer_id)
@@ -108,14 +108,14 @@ class TritonAttentionBackend(AttentionBackend):
             out = decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
                 page_size=page_size, sm_scale=self.scale, num_splits=meta.num_splits,
-                workspace=meta.workspace, launch=self.decode_launch,
+                workspace=meta.workspace, launch=self.decode_launch, window=window,
             )
         else:
             assert meta.q_starts is not None and meta.extend_lens is not None
             out = extend_attention(
                 q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens, meta.q_starts,
                 meta.extend_lens, max_extend_len=meta.max_extend_len, page_size=page_size,
-                sm_scale=self.scale,
+                sm_scale=self.scale, window=window,
             )
         return out.view(q.shape[0], -1)
 

@@ -45,19 +45,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dim, for x [tokens, size] or [tokens, heads, size]."""
     if use_flashinfer(x):
         return flashinfer_module().norm.rmsnorm(x.contiguous(), weight, eps)
+    return weight * _normalized(x, eps).to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: (1 + weight) * x / rms(x), all in float32, cast once (HF's order)."""
+    if use_flashinfer(x):
+        return flashinfer_module().norm.gemma_rmsnorm(x.contiguous(), weight, eps)
+    return (_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(x + residual), x + residual)`; may reuse the memory of both inputs."""
+                 eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)` (`gemma`: `gemma_rms_norm`); may reuse the
+    memory of both inputs."""
     if use_flashinfer(x) and x.is_contiguous() and residual.is_contiguous():
-        flashinfer_module().norm.fused_add_rmsnorm(x, residual, weight, eps)  # in place
+        norm = flashinfer_module().norm
+        fused = norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm
+        fused(x, residual, weight, eps)  # in place
         return x, residual
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return (gemma_rms_norm if gemma else rms_norm)(summed, weight, eps), summed
 
 
 # Where the project's column-split Triton kernel beats FlashInfer's one block per token
@@ -79,3 +92,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return flashinfer_module().activation.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] along the last dim (Gemma's MLP)."""
+    if use_flashinfer(x):
+        return flashinfer_module().activation.gelu_tanh_and_mul(x.contiguous())
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

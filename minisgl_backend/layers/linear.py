@@ -86,11 +86,15 @@ class QKVParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Split along the input dimension; the partial outputs are summed over ranks."""
+    """Split along the input dimension; the partial outputs are summed over ranks. The bias
+    (whole on every rank) is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, divide(in_features, get_tp_info().size, "in_features"))
+        self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight))
+        if self.bias is None or get_tp_info().size == 1:
+            return all_reduce(F.linear(x, self.weight, self.bias))
+        return all_reduce(F.linear(x, self.weight)) + self.bias

@@ -1,4 +1,5 @@
-"""The decoder shared by Llama, Qwen2, Qwen3 and Qwen3-MoE; they differ only in a few flags.
+"""The decoder shared by every supported architecture; they differ only in a few flags
+(`ModelConfig`, from `models/architectures.py`).
 
 Parameter names follow the HF checkpoints, with q/k/v merged into `qkv_proj` and gate/up into
 `gate_up_proj` (see `models/weights.py`).
@@ -12,15 +13,15 @@ from torch import nn
 from minisgl_backend.core import Context, get_global_ctx
 from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl_backend.layers.fast_ops import silu_and_mul, use_triton_kernels
+from minisgl_backend.layers.fast_ops import gelu_tanh_and_mul, silu_and_mul, use_triton_kernels
 from minisgl_backend.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from minisgl_backend.layers.moe import MoEMLP
-from minisgl_backend.layers.norm import RMSNorm
-from minisgl_backend.layers.rotary import RotaryEmbedding, rope_inv_freq
+from minisgl_backend.layers.norm import GemmaRMSNorm, RMSNorm
+from minisgl_backend.layers.rotary import RotaryEmbedding
 from minisgl_backend.models.config import ModelConfig
 
 
@@ -33,12 +34,23 @@ class Attention(nn.Module):
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.qkv_bias,
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
+                                        config.o_bias)
+        norm = _norm_class(config)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # The fused prologue kernel knows the plain RMSNorm only.
+        self.fused_prologue_fits = not config.gemma
+        window = config.window(layer_id)
+        # Full-attention layers make the plain backend call (windows cost them nothing).
+        self.backend_kwargs = {"window": window} if window else {}
+        # The backends scale scores by head_dim ** -0.5; another scale is folded into q.
+        scalar = config.query_pre_attn_scalar
+        self.q_scale = (config.head_dim / scalar) ** 0.5 \
+            if scalar and scalar != config.head_dim else 1.0
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 rope: RotaryEmbedding) -> torch.Tensor:
@@ -47,12 +59,13 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                rope: RotaryEmbedding) -> torch.Tensor:
         """Attention of the projected q, k, v [tokens, heads * head_dim] (q/k norms, RoPE, the
-        K/V store into the pool included); returns the output before o_proj."""
+        K/V store into the pool included); returns the output before o_proj. `positions`: the
+        tokens' rows of the RoPE table (`RotaryEmbedding.table_rows`)."""
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         v = v.view(v.shape[0], -1, self.head_dim)
         ctx = get_global_ctx()
-        if use_triton_kernels(q):
+        if use_triton_kernels(q) and self.fused_prologue_fits:
             # One kernel: q/k RMSNorm, RoPE, and K/V straight into the pool (one launch
             # instead of five to seven per layer, which is what small decode batches pay).
             q = self._fused_prologue(q, k, v, positions, rope, ctx)
@@ -61,7 +74,9 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.apply(positions, q, k)
-        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, **self.backend_kwargs)
 
     def _fused_prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, rope: RotaryEmbedding, ctx: Context
@@ -77,16 +92,23 @@ class Attention(nn.Module):
             eps=self.q_norm.eps if norm else 1e-6)
 
 
+def _norm_class(config: ModelConfig) -> type[RMSNorm]:
+    return GemmaRMSNorm if config.gemma else RMSNorm
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """down(act(gate(x)) * up(x)), with SiLU or (Gemma) tanh-approximated GELU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gelu_tanh: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size]
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.act_and_mul = gelu_tanh_and_mul if gelu_tanh else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 # Layers with at most this many projection weights take the fused few-rows GEMVs. The H200
@@ -107,12 +129,20 @@ class DecoderLayer(nn.Module):
                 config.num_experts_per_tok, config.norm_topk_prob,
             )
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_gemv_fits = (  # a dense layer, small enough, without q/k/v biases
-            isinstance(self.mlp, GatedMLP) and self.self_attn.qkv_proj.bias is None
-            and self._projection_weights() <= FUSED_GEMV_MAX_LAYER_WEIGHTS)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.gemma)
+        norm = _norm_class(config)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        # Gemma: post_attention_layernorm normalizes the attention output; the MLP input norm
+        # is pre_feedforward_layernorm and its output is normalized too.
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich_norms = config.gemma
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.uses_local_rope = config.local_rope is not None and layer_id in config.sliding_layers
+        self.fused_gemv_fits = (  # a plain dense layer, small enough, without biases
+            isinstance(self.mlp, GatedMLP) and not config.gemma and not config.qkv_bias
+            and not config.o_bias and self._projection_weights() <= FUSED_GEMV_MAX_LAYER_WEIGHTS)
 
     def _projection_weights(self) -> int:
         attn, mlp = self.self_attn, self.mlp
@@ -128,6 +158,10 @@ class DecoderLayer(nn.Module):
             return self._forward_fused_gemvs(x, residual, positions, rope)
         x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.self_attn(x, positions, rope)
+        if self.sandwich_norms:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm.forward_with_residual(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
 
@@ -165,7 +199,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm_class(config)(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size**0.5 if config.gemma else 1.0
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        if self.embed_scale == 1.0:
+            return x
+        # HF rounds the scale to the weights' dtype first (sqrt(3072) is 55.5 in bfloat16).
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
 
 
 class CausalLM(nn.Module):
@@ -178,19 +220,29 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        # Plain attribute, not a buffer: it is computed, never loaded (see `move_rope_to`).
-        self.rope = RotaryEmbedding(rope_inv_freq(config.head_dim, config.rope),
-                                    config.max_position_embeddings)
+        # Plain attributes, not buffers: they are computed, never loaded (see `move_rope_to`).
+        # `local_rope`: that of the sliding-window layers where it differs (Gemma 3).
+        self.rope = RotaryEmbedding.for_config(config.head_dim, config.rope,
+                                               config.max_position_embeddings)
+        self.local_rope = None if config.local_rope is None else RotaryEmbedding.for_config(
+            config.head_dim, config.local_rope, config.max_position_embeddings)
 
     def move_rope_to(self, device: torch.device) -> None:
-        self.rope.to(device)
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.to(device)
 
     def forward(self) -> torch.Tensor:
         batch = get_global_ctx().batch
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.model.embed(batch.input_ids)
         residual = None
+        rows = self.rope.table_rows(batch)
+        local_rows = None if self.local_rope is None else self.local_rope.table_rows(batch)
         for layer in self.model.layers:
-            x, residual = layer(x, residual, batch.positions, self.rope)
+            if layer.uses_local_rope:
+                x, residual = layer(x, residual, local_rows, self.local_rope)
+            else:
+                x, residual = layer(x, residual, rows, self.rope)
         if batch.logit_tokens is not None:  # prompt logits asked for (rare: a second head pass)
             picked = batch.logit_tokens
             h, _ = self.model.norm.forward_with_residual(

@@ -3,7 +3,7 @@
 Benchmarks of real shapes need no checkpoint: every parameter is allocated on the target
 device and dtype and filled there (no CPU round trip). The values keep activations finite in
 half precision through many layers, like HF's initialization: normal(0, 0.02) matrices, unit
-norm weights, small uniform biases.
+norm scales, small uniform biases.
 
 Sharded parameters are drawn from a rank-dependent seed (each rank fills only its own shard);
 replicated ones (norms, the MoE router) from a rank-independent one, so that every rank routes
@@ -34,7 +34,7 @@ def fill_dummy_weights(
         for name, param in list(module.named_parameters(recurse=False)):
             tensor = torch.empty(param.shape, device=device, dtype=dtype)
             if isinstance(module, RMSNorm):
-                tensor.fill_(1.0)
+                tensor.fill_(0.0 if module.gemma else 1.0)  # a unit scale either way
             elif name == "bias":
                 tensor.uniform_(-BIAS_BOUND, BIAS_BOUND, generator=sharded)
             else:

@@ -13,22 +13,39 @@ import torch
 
 from minisgl_backend.testing.tiny_tokenizer import build_tiny_tokenizer
 
+# The architectures of the shared `tiny_models` test fixture.
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Every architecture `build_tiny_model` knows: the fixture's, and one model per further feature.
+ALL_TINY_ARCHITECTURES = TINY_ARCHITECTURES + (
+    "llama_bias", "mistral", "mixtral", "phi3", "phi3_longrope", "gemma3", "gemma3_multimodal")
+# Where the sliding-window models' windows end: shorter than most test prompts.
+TINY_SLIDING_WINDOW = 12
+# LongRoPE's pretraining length in the tiny Phi-3: prompts and outputs cross it.
+TINY_LONGROPE_ORIGINAL = 32
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
     rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )
+_HALF = 16 // 2  # frequencies of a 16-wide head
+
+
+def _gemma3_text(settings: dict[str, Any]) -> dict[str, Any]:
+    return {**settings, "head_dim": 16, "query_pre_attn_scalar": 24,
+            "sliding_window": TINY_SLIDING_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_hidden_layers": 3}
 
 
 def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transformers config
     import transformers
 
     settings = dict(_COMMON)
-    if arch == "llama":
+    if arch in ("llama", "llama_bias"):
         cls = transformers.LlamaConfig
-        settings.update(tie_word_embeddings=False, rope_theta=10000.0)
+        settings.update(tie_word_embeddings=False, rope_theta=10000.0,
+                        attention_bias=arch == "llama_bias")
     elif arch == "qwen2":
         cls = transformers.Qwen2Config
         settings.update(tie_word_embeddings=True)
@@ -40,26 +57,67 @@ def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transform
         settings.update(head_dim=16, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                         mlp_only_layers=[])
+    elif arch == "mistral":
+        cls = transformers.MistralConfig
+        settings.update(head_dim=16, sliding_window=TINY_SLIDING_WINDOW)
+    elif arch == "mixtral":
+        cls = transformers.MixtralConfig
+        settings.update(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        intermediate_size=32)
+    elif arch == "phi3":
+        cls = transformers.Phi3Config
+    elif arch == "phi3_longrope":
+        cls = transformers.Phi3Config
+        settings.update(original_max_position_embeddings=TINY_LONGROPE_ORIGINAL, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.25 * i for i in range(_HALF)],
+            "long_factor": [1.5 + 2.0 * i for i in range(_HALF)],
+            "original_max_position_embeddings": TINY_LONGROPE_ORIGINAL})
+    elif arch == "gemma3":
+        cls = transformers.Gemma3TextConfig
+        settings = _gemma3_text(settings)
+    elif arch == "gemma3_multimodal":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        settings = dict(text_config=_gemma3_text(settings), vision_config=vision,
+                        mm_tokens_per_image=4)
+        cls = transformers.Gemma3Config
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; known: {TINY_ARCHITECTURES}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {ALL_TINY_ARCHITECTURES}")
     settings.update(overrides)
     return cls(**settings)
 
 
+def _randomize_vectors(model: torch.nn.Module) -> None:
+    """HF initializes biases to 0 and norm weights to their neutral value: random ones make the
+    comparison see whether each is applied (and how: Gemma's norms scale by 1 + weight)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and ("norm" in name or name.endswith("bias")):
+                param.add_(torch.randn_like(param) * 0.2)
+
+
 def build_tiny_model(arch: str, output_dir: str | Path, seed: int = 0,
                      max_shard_size: str | None = None, **overrides: Any) -> Path:
-    """Save a random-weight float32 model of `arch` (see TINY_ARCHITECTURES) with a tokenizer.
+    """Save a random-weight float32 model of `arch` (see ALL_TINY_ARCHITECTURES) with a
+    tokenizer.
 
     `overrides` replace config fields; `max_shard_size` (e.g. "100KB") splits the checkpoint
     into several safetensors files.
     """
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch, overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3_multimodal":
+        model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch not in TINY_ARCHITECTURES:
+        _randomize_vectors(model)
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    build_tiny_tokenizer(out, vocab_size=config.vocab_size)
+    vocab = config.text_config.vocab_size if arch == "gemma3_multimodal" else config.vocab_size
+    build_tiny_tokenizer(out, vocab_size=vocab)
     return out

@@ -1,0 +1,62 @@
+"""Greedy output of the engine equals HF transformers token for token (float32, CPU) for the
+architectures and features beyond the shared fixture's: a Llama with attention biases, Mixtral,
+Phi-3 with and without LongRoPE, Mistral with a sliding window shorter than the prompts,
+Gemma 3 (text, and the text model of a multimodal checkpoint); each for 8 prompts of mixed
+length in one call, with page sizes 1 and 16, chunked prefill shorter than the window, prefix
+cache hits and tensor parallelism 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minisgl_backend import LLM
+from minisgl_backend.testing.tiny_models import TINY_SLIDING_WINDOW, build_tiny_model
+from tests.conftest import hf_greedy, mixed_prompts
+from tests.test_engine_equivalence import GREEDY, MAX_TOKENS
+
+ARCHS = ("llama_bias", "mixtral", "phi3", "phi3_longrope", "mistral", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("arch-models")
+    return {arch: build_tiny_model(arch, root / arch, seed=1) for arch in ARCHS}
+
+
+_EXPECTED: dict[str, list[list[int]]] = {}
+
+
+def check_cold_and_warm(model: Path, **settings) -> None:  # noqa: ANN003
+    """8 mixed prompts in one call equal HF; the same call again hits the prefix cache and
+    gives the same tokens."""
+    prompts = mixed_prompts(8)
+    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+        cold = llm.generate(prompts, GREEDY)
+        warm = llm.generate(prompts, GREEDY)
+    if str(model) not in _EXPECTED:  # HF's generate is the slow part: once per model
+        _EXPECTED[str(model)] = hf_greedy(model, prompts, MAX_TOKENS)
+    assert [o.token_ids for o in cold] == _EXPECTED[str(model)]
+    assert [o.prompt_tokens for o in cold] == [len(p) for p in prompts]
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    assert sum(o.cached_tokens for o in warm) > 0
+
+
+# LongRoPE picks its frequencies by a request's length in each step, as HF does for a request
+# computed whole; a prompt chunked across the pretraining length has chunks HF never computes,
+# so Phi-3 with LongRoPE runs unchunked.
+CHUNK = TINY_SLIDING_WINDOW // 2 + 2  # shorter than the window, not a multiple of it
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_page_1_chunked_prefill_and_prefix_hits_equal_hf(models: dict[str, Path],
+                                                         arch: str) -> None:
+    chunked = {} if arch == "phi3_longrope" else {"chunked_prefill_size": CHUNK}
+    check_cold_and_warm(models[arch], page_size=1, **chunked)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_page_16_tensor_parallel_2_equals_hf(models: dict[str, Path], arch: str) -> None:
+    check_cold_and_warm(models[arch], page_size=16, tp_size=2)
