@@ -8,11 +8,14 @@ cache hits and tensor parallelism 2.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
-from minisgl_backend import LLM
+from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.models import ModelConfig, create_model
 from minisgl_backend.testing.tiny_models import TINY_SLIDING_WINDOW, build_tiny_model
 from tests.conftest import hf_greedy, mixed_prompts
 from tests.test_engine_equivalence import GREEDY, MAX_TOKENS
@@ -60,3 +63,40 @@ def test_page_1_chunked_prefill_and_prefix_hits_equal_hf(models: dict[str, Path]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_page_16_tensor_parallel_2_equals_hf(models: dict[str, Path], arch: str) -> None:
     check_cold_and_warm(models[arch], page_size=16, tp_size=2)
+
+
+def test_sliding_window_binds(models: dict[str, Path]) -> None:
+    """The prompts run past Mistral's window: full attention would give other tokens."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = mixed_prompts(8)
+    assert max(map(len, prompts)) > TINY_SLIDING_WINDOW
+    full = AutoModelForCausalLM.from_pretrained(models["mistral"], sliding_window=None)
+    with torch.no_grad():
+        unwindowed = [full.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None)
+                      [0, len(p):].tolist() for p in prompts]
+    assert unwindowed != hf_greedy(models["mistral"], prompts, MAX_TOKENS)
+
+
+def test_triton_kernels_with_windows_equal_hf(models: dict[str, Path]) -> None:
+    """Gemma 3's windowed and global layers through the project's Triton kernels (Triton's
+    interpreter on CPU: slow, so two prompts twice the window long and a few tokens)."""
+    prompts = [p[: 2 * TINY_SLIDING_WINDOW] for p in mixed_prompts(4)[1::2]]
+    with LLM(models["gemma3"], device="cpu", attention_backend="triton", page_size=4,
+             chunked_prefill_size=CHUNK) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == hf_greedy(models["gemma3"], prompts, 4)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = build_tiny_model("gemma3_multimodal", tmp_path / "gemma3mm", seed=2)
+    config = ModelConfig.from_folder(folder)
+    with caplog.at_level(logging.INFO, logger="minisgl_backend.models.weights"):
+        create_model(folder, config, torch.device("cpu"), torch.float32)
+    assert "vision tensors" in caplog.text
+    prompts = mixed_prompts(8)
+    with LLM(folder, device="cpu", debug_checks=True, page_size=16) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == hf_greedy(folder, prompts, MAX_TOKENS)
