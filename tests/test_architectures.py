@@ -53,10 +53,14 @@ def check_cold_and_warm(model: Path, **settings) -> None:  # noqa: ANN003
 CHUNK = TINY_SLIDING_WINDOW // 2 + 2  # shorter than the window, not a multiple of it
 
 
+WINDOWED = ("mistral", "gemma3")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_page_1_chunked_prefill_and_prefix_hits_equal_hf(models: dict[str, Path],
                                                          arch: str) -> None:
-    chunked = {} if arch == "phi3_longrope" else {"chunked_prefill_size": CHUNK}
+    chunk = CHUNK if arch in WINDOWED else 16  # few steps where no window is crossed
+    chunked = {} if arch == "phi3_longrope" else {"chunked_prefill_size": chunk}
     check_cold_and_warm(models[arch], page_size=1, **chunked)
 
 

@@ -13,7 +13,12 @@ import torch
 from minisgl_backend.testing.tiny_models import build_tiny_model
 from tests.conftest import hf_greedy, mixed_prompts
 from tests.test_gpu_engine import MAX_TOKENS, generate
-from tests.test_triton_attention import GPU, SCENARIOS, WINDOW, World
+from tests.test_triton_attention import (
+    GPU,
+    SCENARIOS,
+    World,
+    assert_window_matches_reference,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,14 +73,6 @@ def test_flashinfer_window_matches_torch_reference(page_size: int, scenario: str
     from minisgl_backend.attention.flashinfer_backend import FlashInferAttentionBackend
 
     world = World(GPU, 8, 2, page_size)
-    phase, reqs = SCENARIOS[scenario]
-    batch = world.batch(phase, reqs)
-    _, ref = world.backends()
-    fi = FlashInferAttentionBackend(world.pool, 8, world.head_dim, torch.device("cuda"),
-                                    world.page_table.shape[1])
-    fi.prepare(batch, world.page_table)
-    q, k, v = world.qkv(len(batch.out_slots))
-    out = fi.forward(q, k, v, 1, batch, window=WINDOW)
-    world.assert_close(out, world.reference(ref, batch, 1, q, k, v, window=WINDOW))
-    full = fi.forward(q, None, None, 1, batch)
-    world.assert_close(full, world.reference(ref, batch, 1, q, k, v))
+    backend = FlashInferAttentionBackend(world.pool, 8, world.head_dim, torch.device("cuda"),
+                                         world.page_table.shape[1])
+    assert_window_matches_reference(world, backend, scenario)

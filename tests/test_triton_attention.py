@@ -24,7 +24,7 @@ from kernels.decode_attention import (
 )
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import _kv_store_kernel, store_kv
-from minisgl_backend.attention import create_attention_backend
+from minisgl_backend.attention import AttentionBackend, create_attention_backend
 from minisgl_backend.attention.torch_ref import TorchAttentionBackend, token_slots
 from minisgl_backend.attention.triton_backend import TritonAttentionBackend
 from minisgl_backend.core import Batch
@@ -174,15 +174,21 @@ def test_sliding_window_matches_torch_reference(target: Target, page_size: int,
     """A sliding-window layer: each query sees its last WINDOW keys (the reference is checked
     against the naive one in test_torch_reference_sliding_window)."""
     world = World(target, 8, 2, page_size)
+    assert_window_matches_reference(world, world.backends()[0], scenario)
+
+
+def assert_window_matches_reference(world: World, backend: AttentionBackend,
+                                    scenario: str) -> None:
+    """`backend` over `world`'s pool, a layer of WINDOW then a full one, equals the reference."""
     phase, reqs = SCENARIOS[scenario]
     batch = world.batch(phase, reqs)
-    tri, ref = world.backends()
-    tri.prepare(batch, world.page_table)
+    ref = world.backends()[1]
+    backend.prepare(batch, world.page_table)
     q, k, v = world.qkv(len(batch.out_slots))
-    out = tri.forward(q, k, v, 1, batch, window=WINDOW)
+    out = backend.forward(q, k, v, 1, batch, window=WINDOW)
     world.assert_close(out, world.reference(ref, batch, 1, q, k, v, window=WINDOW))
     # The same step of a full-attention layer still sees every key.
-    full = tri.forward(q, None, None, 1, batch)
+    full = backend.forward(q, None, None, 1, batch)
     world.assert_close(full, world.reference(ref, batch, 1, q, k, v))
 
 
