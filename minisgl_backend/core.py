@@ -286,6 +286,13 @@ class Req:
     bans: tuple[tuple[int, ...], ...] = ()  # bad_token_ids + the tokenized bad_words
     grammar: Any = None  # structured output: the compiled grammar, and the request's matcher
     guide: Any = None
+    # Speculative decoding: the draft tokens the step being scheduled verifies after the last
+    # sampled token; `explicit`: the engine's row length is past the request's (drafts were
+    # rejected), so its next step sends its start and last token; drafts and accepted so far.
+    drafts: list[int] = field(default_factory=list)
+    explicit: bool = False
+    drafted: int = 0
+    accepted: int = 0
 
     def __post_init__(self) -> None:
         if self.max_device_len == 0:
@@ -299,6 +306,13 @@ class Req:
     def extend_len(self) -> int:
         """Tokens the step being scheduled computes."""
         return self.device_len - self.cached_len
+
+    @property
+    def step_tokens(self) -> list[int]:
+        """The tokens the step being scheduled computes: prompt tokens, or the last sampled
+        token followed by the drafts."""
+        tokens = self.input_ids[self.cached_len : self.device_len]
+        return tokens + self.drafts if self.drafts else tokens
 
     @property
     def prompt_done(self) -> bool:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from minisgl_backend.speculative import speculative_config
 from minisgl_backend.tokenizer import encode_prompt
 
 Prompt = str | Sequence[int]
@@ -69,7 +70,12 @@ class LLM:
             SiLU-and-mul and residual adds folded in; 0: off.
         mixed_prefill: a prefill step also decodes one token of every running request, so
             that arriving requests do not pause the running ones for a step.
+        jump_forward: structured output: the tokens a request's grammar forces are verified
+            as drafts in one step instead of being sampled one per step (same output).
         debug_checks: verify page accounting after every step (slow; for tests).
+        **speculative: speculative decoding, the fields of
+            `minisgl_backend.speculative.SpeculativeConfig` (`speculative="ngram"` or
+            `"suffix"`, `num_speculative_tokens`, ...; the README lists them).
     """
 
     def __init__(
@@ -91,7 +97,9 @@ class LLM:
         overlap: bool = True,
         fused_gemv_max_bs: int = 2,
         mixed_prefill: bool = False,
+        jump_forward: bool = True,
         debug_checks: bool = False,
+        **speculative: Any,
     ) -> None:
         _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
         if load_format not in ("auto", "dummy"):
@@ -121,7 +129,9 @@ class LLM:
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks,
-                                 mixed_prefill=bool(mixed_prefill))
+                                 mixed_prefill=bool(mixed_prefill),
+                                 speculative=speculative_config(speculative),
+                                 jump_forward=bool(jump_forward))
         self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
                                    model_config.vocab_size)
 

@@ -4,9 +4,9 @@ One `LLM` serves both configurations. Per batch size B, each call generates for 
 (a different question each, so that outputs differ) with `ignore_eos`:
 
 * unguided: plain greedy decoding, exactly max_tokens tokens per request;
-* json_schema: the same requests under a JSON schema of an unbounded array of objects, so that
-  most requests also run to max_tokens (one that closes its array ends there: tokens are
-  counted, not assumed).
+* json_schema: the same requests under a JSON schema of an array of objects with at least
+  max_tokens items, so that no request can close its array (and end) before max_tokens: both
+  configurations compute the same number of tokens per step (tokens are counted, not assumed).
 
 Prefill is taken out by timing a call with max_tokens=T and one with max_tokens=1: decode
 tok/s = (tokens of the T call - tokens of the 1 call) / (best t_T - best t_1), each the best of
@@ -77,8 +77,9 @@ def compile_times(llm: LLM) -> list[str]:
     return lines
 
 
-def params(config: str, max_tokens: int) -> SamplingParams:
-    guide = {"json_schema": PEOPLE} if config == "json_schema" else {}
+def params(config: str, max_tokens: int, min_items: int) -> SamplingParams:
+    guide = ({"json_schema": {**PEOPLE, "minItems": min_items}} if config == "json_schema"
+             else {})
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **guide)
 
 
@@ -92,14 +93,14 @@ def run(args: argparse.Namespace) -> None:
                         for i in range(bs)] for bs in args.batch_sizes}
         best: dict[tuple[int, str, int], tuple[float, int]] = {}
         for config in configs:  # warm-up
-            llm.generate(prompts[args.batch_sizes[0]], params(config, 4))
+            llm.generate(prompts[args.batch_sizes[0]], params(config, 4, args.max_tokens))
         for round_ in range(args.repeats):
             order = [(bs, c, t) for bs in args.batch_sizes for c in configs
                      for t in (args.max_tokens, 1)]
             for key in (order if round_ % 2 == 0 else order[::-1]):
                 bs, config, tokens = key
                 start = time.perf_counter()
-                outs = llm.generate(prompts[bs], params(config, tokens))
+                outs = llm.generate(prompts[bs], params(config, tokens, args.max_tokens))
                 seconds = time.perf_counter() - start
                 count = sum(len(o.token_ids) for o in outs)
                 if key not in best or seconds < best[key][0]:

@@ -115,6 +115,16 @@ def test_decode_step_without_admissions_carries_no_prefill_or_admit_fields() -> 
     assert arrays["new_pages"].tolist() == [17]
 
 
+def test_a_step_whose_masks_follow_says_so_and_its_masks_come_alone() -> None:
+    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], guide_rows=[2], masks_follow=True)
+    back = StepMessage.from_bytes(msg.to_bytes())
+    assert back.masks_follow and back.guide_rows.tolist() == [2] and len(back.guide_masks) == 0
+    assert not StepMessage.from_bytes(StepMessage(is_prefill=False).to_bytes()).masks_follow
+    masks = np.arange(6, dtype=np.int32).reshape(2, 3)
+    kind, arrays = decode(protocol.masks_message(masks))
+    assert kind == protocol.MASKS and arrays["guide_masks"].tolist() == list(range(6))
+
+
 def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> None:
     msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
                       admit={"temperature": [1.0], "top_k": [1], "top_p": [0.5], "seed": [7]})

@@ -49,6 +49,32 @@ class LogitsReport:
     context_logits: torch.Tensor  # [sum(context_counts), vocab]
 
 
+@dataclass
+class Slots:
+    """What a step samples: one slot per batch row, or per position of a verify row (see
+    `StepMessage.draft_rows`), in batch order."""
+
+    rows: np.ndarray  # table row of each slot, on cpu
+    rows_t: torch.Tensor  # the same on the device
+    logits: torch.Tensor  # [slots, vocab]
+    next_positions: torch.Tensor  # position of the token each slot samples (device)
+    positions: np.ndarray  # the same on cpu: the row's length once the token is appended
+
+
+@dataclass
+class StartedStep:
+    """A step whose forward is launched and whose logits await the grammar masks (if any) and
+    sampling (`Engine.start` -> `Engine.finish`)."""
+
+    msg: StepMessage
+    rows: np.ndarray  # table rows, in batch order, on cpu
+    batch: Batch
+    slots: Slots
+    controlled: bool  # some row uses a logits control
+    raw_logprobs: tuple[np.ndarray, torch.Tensor] | None = None  # `LogitControls.raw_logprobs`
+    logits_report: LogitsReport | None = None
+
+
 class StepHandle:
     """A launched step. On a GPU its sampled ids (and log-probabilities or logits, if any row
     asked) are copied to pinned host memory without blocking; `wait()` blocks until they are
@@ -78,6 +104,11 @@ class StepHandle:
             self._extras.append(pinned)
         self._event = torch.cuda.Event()
         self._event.record()
+
+    @property
+    def ready(self) -> bool:
+        """The sampled ids are on the host already (always on CPU): `wait()` will not block."""
+        return self._event is None or self._event.query()
 
     def wait(self) -> StepReply:
         if self._event is not None:
@@ -202,11 +233,16 @@ class Engine:
                      MAX_CPU_DEFAULT_TOKENS)
         return max(1, tokens // self.page_size)
 
-    @torch.inference_mode()
     def launch(self, msg: StepMessage, waited: float = 0.0) -> StepHandle:
         """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
         the next message can be applied while this step runs). `waited`: seconds this rank
         waited for the message (for the step timeline)."""
+        return self.finish(self.start(msg, waited), msg.guide_masks)
+
+    @torch.inference_mode()
+    def start(self, msg: StepMessage, waited: float = 0.0) -> StartedStep:
+        """The first half of `launch`: apply the message, run (launch) the forward and every
+        logits control except the grammar masks, which `finish` takes."""
         if self.timeline is not None:
             self.timeline.begin(waited)
         rows = np.asarray(msg.rows, dtype=np.int64)
@@ -231,38 +267,76 @@ class Engine:
             next_positions = batch.positions + 1
         else:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        controlled = bool(self.controls.active[rows].any())  # one check when no row uses any
-        raw_logprobs = None
-        logits_report = None
-        if self.reports and (controlled or batch.token_logits is not None):
-            logits_report = self._logits_report(logits, rows, msg, batch)
-        if controlled:
-            raw_logprobs = self.controls.raw_logprobs(logits, rows) if self.reports else None
-            self.controls.apply(logits, rows, batch.rows, next_positions, self.row_len[rows])
-        self._mask_early_stops(logits, rows, batch.seq_lens)
-        if len(msg.guide_rows):
-            apply_token_masks(logits, np.asarray(msg.guide_rows, dtype=np.int64),
-                              np.asarray(msg.guide_masks, dtype=np.int32))
+        slots = self._slots(msg, rows, batch, logits, next_positions)
+        step = StartedStep(msg, rows, batch, slots,
+                           controlled=bool(self.controls.active[rows].any()))  # one check
+        logits, rows = slots.logits, slots.rows
+        if self.reports and (step.controlled or batch.token_logits is not None):
+            step.logits_report = self._logits_report(logits, rows, msg, batch)
+        if step.controlled:
+            if self.reports:
+                step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
+            self.controls.apply(logits, rows, slots.rows_t, slots.next_positions,
+                                slots.positions)
+        self._mask_early_stops(logits, rows, slots.positions)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: StartedStep, guide_masks: np.ndarray | list) -> StepHandle:
+        """The second half of `launch`: the guided rows' token masks (`step.msg.guide_rows`,
+        row-major), sampling, and the copy of the sampled ids to the host."""
+        slots = step.slots
+        logits, rows = slots.logits, slots.rows
+        if len(step.msg.guide_rows):
+            apply_token_masks(logits, np.asarray(step.msg.guide_rows, dtype=np.int64),
+                              np.asarray(guide_masks, dtype=np.int32))
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:
-            next_tokens = sample(logits, self._sampling_tensors(rows, next_positions))
+            next_tokens = sample(logits, self._sampling_tensors(rows, slots.next_positions,
+                                                                slots.positions))
         next_tokens = next_tokens.to(torch.int32)
-        self.token_pool[batch.rows, next_positions] = next_tokens
-        if controlled:
-            self.controls.record(rows, batch.rows, next_tokens, self.row_len[rows])
-        report = (self.controls.report(raw_logprobs, rows, next_tokens)
-                  if raw_logprobs is not None else None)
+        self.token_pool[slots.rows_t, slots.next_positions] = next_tokens
+        if step.controlled:
+            self.controls.record(rows, slots.rows_t, next_tokens, slots.positions)
+        report = (self.controls.report(step.raw_logprobs, rows, next_tokens)
+                  if step.raw_logprobs is not None else None)
         host = None
         if self.device.type == "cuda":
             # Two pinned buffers: step N+1 is launched before step N's ids are read.
             host = self._host_tokens[self.num_launched % 2]
         self.num_launched += 1
-        handle = StepHandle(next_tokens, host, batch, report, logits_report)
+        handle = StepHandle(next_tokens, host, step.batch, report, step.logits_report)
         if self.timeline is not None:
-            self.timeline.end(batch.phase, len(rows))
+            self.timeline.end(step.batch.phase, len(step.rows))
         return handle
 
+    def _slots(self, msg: StepMessage, rows: np.ndarray, batch: Batch, logits: torch.Tensor,
+               next_positions: torch.Tensor) -> Slots:
+        if not len(msg.draft_rows):
+            return Slots(rows, batch.rows, logits, next_positions, self.row_len[rows].copy())
+        # Verify rows: their token logits come after the context rows' in `token_logits`.
+        verify = np.asarray(msg.draft_rows, dtype=np.int64)
+        drafts = np.asarray(msg.draft_counts, dtype=np.int64)
+        context = batch.token_logits
+        num_context = int(np.asarray(msg.extend_lens, dtype=np.int64)[
+            np.asarray(msg.context_rows, dtype=np.int64)].sum())
+        assert context is not None
+        batch.token_logits = context[:num_context] if len(msg.context_rows) else None
+        # Slots per batch row, and for each its row of cat([logits, draft logits]).
+        per_row = np.ones(len(rows), dtype=np.int64)
+        per_row[verify] += drafts
+        batch_of_slot = np.repeat(np.arange(len(rows)), per_row)
+        within = ranges(0, per_row)  # a slot's index within its row's slots
+        last_slot = within == per_row[batch_of_slot] - 1
+        table_index = batch_of_slot.copy()
+        table_index[~last_slot] = len(rows) + np.arange(int(drafts.sum()))
+        slot_rows = rows[batch_of_slot]
+        positions = self.row_len[slot_rows] - per_row[batch_of_slot] + 1 + within
+        index_t, rows_t, positions_t = stack_to_device([table_index, slot_rows, positions],
+                                                       self.device)
+        table = torch.cat([logits, context[num_context:]])
+        return Slots(slot_rows, rows_t, table[index_t], positions_t, positions)
 
     def _logits_report(self, logits: torch.Tensor, rows: np.ndarray, msg: StepMessage,
                        batch: Batch) -> LogitsReport | None:
@@ -347,19 +421,25 @@ class Engine:
         batch = Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
                       out_slots=out_slots, extend_lens=extend_lens,
                       seq_lens=self.row_len[rows].tolist())
-        if msg.is_prefill and len(msg.context_rows):  # their prompt tokens' logits too
-            picked = np.asarray(msg.context_rows, dtype=np.int64)
+        if msg.is_prefill and (len(msg.context_rows) or len(msg.draft_rows)):
+            # The prompt tokens' logits of context rows, then those of verify rows' tokens
+            # before their last one (the last one's are the step's logits row).
             lens = np.asarray(msg.extend_lens, dtype=np.int64)
             offsets = np.cumsum(lens) - lens
-            batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
+            context = np.asarray(msg.context_rows, dtype=np.int64)
+            verify = np.asarray(msg.draft_rows, dtype=np.int64)
+            batch.logit_tokens = host_to_device(np.concatenate([
+                ranges(offsets[context], lens[context]),
+                ranges(offsets[verify], lens[verify] - 1)]), dev)
         return batch
 
-    def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor) -> SamplingTensors:
-        """The rows' sampling parameters on the device. `positions` (device) are those of the
-        tokens being sampled; on the host they are the rows' new lengths."""
+    def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor,
+                          host_positions: np.ndarray) -> SamplingTensors:
+        """The slots' sampling parameters on the device. `positions` (device) and
+        `host_positions` are those of the tokens being sampled."""
         dev = self.device
         p = self.row_params
-        uniform = seeded_uniform_host(p["seed"][rows], self.row_len[rows])
+        uniform = seeded_uniform_host(p["seed"][rows], host_positions)
         temperature, top_p, uniform = stack_to_device(
             [p["temperature"][rows], p["top_p"][rows], uniform], dev, torch.float64)
         top_k, seed = stack_to_device([p["top_k"][rows], p["seed"][rows]], dev)

@@ -17,7 +17,8 @@ from minisgl_backend.core import ROW_DTYPES
 
 # Message kinds, scheduler -> engine. With overlap on, the engine answers a STEP with the tokens
 # of the step before it (the new one is already running); FLUSH asks for the last step's tokens.
-STEP, SHUTDOWN, FLUSH = 1, 2, 3
+# MASKS follows a STEP sent with `masks_follow`: its guided rows' token masks.
+STEP, SHUTDOWN, FLUSH, MASKS = 1, 2, 3, 4
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
 
@@ -110,13 +111,26 @@ class StepMessage:
     min_stop_ids: Values = _array("int32")
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
+    # Speculative verify rows (batch indices of prefill rows): each computes its last sampled
+    # token and `draft_counts` draft tokens after it, and samples a token at every one of
+    # those positions (a "slot" each). A step's samples (the reply's tokens, log-probability
+    # and logits rows, the guided rows) are then per slot: a verify row's slots in position
+    # order, in place of its one sample. Without verify rows slots are the batch rows.
+    draft_rows: Values = _array("int32")
+    draft_counts: Values = _array("int32")
     # Structured output: the rows (batch indices) whose next token a grammar constrains, and
     # their token masks, row-major ([rows, ceil(vocab / 32)] int32, bit set: allowed).
     guide_rows: Values = _array("int32")
     guide_masks: Values = _array("int32")
+    # With overlap on, a guided row's mask needs the token of the step before, which the
+    # scheduler reads while this step's forward runs: the masks then come in a MASKS message
+    # (`masks_message`) after this one, and the engine waits for them only to sample.
+    masks_follow: bool = False
 
     def to_bytes(self) -> bytes:
         arrays = {"is_prefill": np.asarray([self.is_prefill], dtype=np.uint8)}
+        if self.masks_follow:
+            arrays["masks_follow"] = np.ones(1, dtype=np.uint8)
         for f in _ARRAY_FIELDS:
             values = getattr(self, f.name)
             if len(values) or f.name in _ALWAYS_SENT:
@@ -134,12 +148,17 @@ class StepMessage:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StepMessage:
-        msg = cls(is_prefill=bool(arrays["is_prefill"][0]))
+        msg = cls(is_prefill=bool(arrays["is_prefill"][0]), masks_follow="masks_follow" in arrays)
         for f in _ARRAY_FIELDS:
             setattr(msg, f.name, arrays.get(f.name, np.zeros(0, dtype=f.metadata["dtype"])))
         msg.admit = {name: arrays[_ADMIT_PREFIX + name] for name in ROW_DTYPES
                      if _ADMIT_PREFIX + name in arrays}
         return msg
+
+
+def masks_message(masks: np.ndarray) -> bytes:
+    """The MASKS message that follows a step sent with `masks_follow`."""
+    return encode(MASKS, {"guide_masks": np.asarray(masks, dtype=np.int32).reshape(-1)})
 
 
 _ARRAY_FIELDS = [f for f in fields(StepMessage) if "dtype" in f.metadata]
@@ -149,9 +168,10 @@ _ADMIT_PREFIX = "admit_"
 
 @dataclass
 class StepReply:
-    """What rank 0 answers a step with: the sampled token per request (batch order), and for
-    the requests that asked for log-probabilities (`lp_rows`: their batch indices) the sampled
-    token's log-probability and the `top` most likely tokens with theirs (row-major)."""
+    """What rank 0 answers a step with: the sampled token per slot (batch order; see
+    `StepMessage.draft_rows`), and for the slots that asked for log-probabilities (`lp_rows`:
+    their slot indices) the sampled token's log-probability and the `top` most likely tokens
+    with theirs (row-major)."""
 
     tokens: np.ndarray  # int32 [bs]
     lp_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))

@@ -66,13 +66,15 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
 def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -> None:
     """Run steps in message order. Without overlap each STEP is answered with its own tokens.
     With overlap a STEP is launched first and then answered with the previous step's tokens,
-    so the device computes step N while the scheduler handles step N-1's tokens."""
+    so the device computes step N while the scheduler handles step N-1's tokens (on CPU, where
+    a step has run when `launch` returns, step N-1 is answered before step N runs instead).
+    A STEP with `masks_follow` runs its forward, answers the step before (its tokens are what
+    the scheduler needs for the masks), then waits for the MASKS message to sample."""
     pending: StepHandle | None = None
 
-    def answer(handle: StepHandle) -> None:
-        step_reply = handle.wait()
-        if reply:
-            conn.send_bytes(step_reply.to_bytes())
+    def answer(handle: StepHandle | None) -> None:
+        if handle is not None and reply:
+            conn.send_bytes(handle.wait().to_bytes())
 
     while True:
         asked = time.perf_counter()
@@ -80,18 +82,34 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
         if kind == protocol.SHUTDOWN:
             return
         if kind == protocol.FLUSH:
-            if pending is not None:
-                answer(pending)
-                pending = None
+            answer(pending)
+            pending = None
             continue
-        handle = engine.launch(protocol.StepMessage.from_arrays(arrays),
-                               waited=time.perf_counter() - asked)
+        msg = protocol.StepMessage.from_arrays(arrays)
+        if pending is not None and pending.ready:
+            answer(pending)
+            pending = None
+        started = engine.start(msg, waited=time.perf_counter() - asked)
+        masks = msg.guide_masks
+        if msg.masks_follow:
+            answer(pending)
+            pending = None
+            masks = _receive_masks(conn)
+        handle = engine.finish(started, masks)
         if not overlap:
             answer(handle)
             continue
-        if pending is not None:
-            answer(pending)
+        answer(pending)
         pending = handle
+
+
+def _receive_masks(conn: Connection) -> np.ndarray:
+    kind, arrays = protocol.decode(conn.recv_bytes())
+    if kind == protocol.SHUTDOWN:
+        raise EOFError  # the scheduler stopped between a step and its masks
+    if kind != protocol.MASKS:
+        raise RuntimeError(f"expected the MASKS of the step before, got message kind {kind}")
+    return arrays["guide_masks"]
 
 
 def _exit_with_parent(private_dir: str) -> None:

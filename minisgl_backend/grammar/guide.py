@@ -31,6 +31,36 @@ class Guide:
         """Follow a sampled token; False if the grammar does not allow it."""
         return bool(self.matcher.accept_token(token))
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (jump-forward), as xgrammar splits the forced text
+        (which may differ from how the model would tokenize it: they are drafts to verify)."""
+        return list(self.matcher.find_jump_forward_tokens())
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here (the state is kept)."""
+        count = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
+    def fill_with_drafts(self, masks: np.ndarray, index: int, drafts: list[int]) -> None:
+        """Rows `index ..= index + len(drafts)` of `masks`: the tokens allowed now and after
+        each draft in turn (the drafts are valid: `valid_prefix`); the state is kept."""
+        self.fill(masks, index)
+        for j, token in enumerate(drafts):
+            self.matcher.accept_token(token)
+            if self.matcher.is_terminated():
+                masks[index + j + 1 : index + len(drafts) + 1] = -1  # past the grammar's end
+                self.matcher.rollback(j + 1)
+                return
+            self.fill(masks, index + j + 1)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and ended (by a stop token, or by itself)."""

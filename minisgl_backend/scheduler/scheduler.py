@@ -19,7 +19,7 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,16 +32,18 @@ from minisgl_backend.core import (
     wants_context_logits,
 )
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.engine.protocol import StepMessage, StepReply
+from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_message
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, mask_words
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
+from minisgl_backend.speculative import SpeculativeConfig
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
 from minisgl_backend.scheduler.output import OutputCallback, OutputTracker, RequestOutput
 from minisgl_backend.scheduler.prefill import PrefillManager
+from minisgl_backend.scheduler.speculation import Speculator
 from minisgl_backend.scheduler.table import RowAllocator
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class SchedulerConfig:
     # Prefill steps also decode one token of every running request (instead of pausing them).
     mixed_prefill: bool = False
     step_timeout: float | None = None  # seconds an engine step may take before it is declared dead
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Guided rows verify the tokens their grammar forces as drafts (see `speculation`).
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class _SentStep:
 
     batch: list[Req]
     counts: list[bool]  # per request: does its sampled token count (see `complete_step`)
+    masks_follow: list[int]  # batch indices of the guided rows whose masks are still to send
+    verifies: bool  # some row verifies drafts (or sends its start after rejected ones)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,13 @@ def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
     return True
 
 
+def _slots_of(batch: list[Req], rows: list[int]) -> list[int]:
+    """The slots (see `StepMessage.draft_rows`) of batch rows `rows`: a row's last sampled
+    token and each of its drafts sample one."""
+    starts = np.cumsum([0] + [1 + len(req.drafts) for req in batch])
+    return [int(s) for i in rows for s in range(starts[i], starts[i + 1])]
+
+
 class Scheduler:
     """Runs requests to completion on the engine processes; thread-safe `submit` / `abort`."""
 
@@ -127,8 +141,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size  # token ids must be below it
         self.grammars = GrammarCompilerCache(tokenizer, vocab_size, sorted(eos_ids))
-        # Guided requests admitted and not ended: while there are any, a step waits for the
-        # tokens of the one before it (their masks follow from those tokens): no overlap.
+        # Guided requests admitted and not ended: their rows' token masks go with each step
+        # (with overlap, in a MASKS message once the tokens of the step before are read).
         self.guided_uids: set[int] = set()
         self.engine = engine or EngineClient(config.engine)
         page_size = config.engine.page_size
@@ -138,6 +152,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
                                       config.engine.max_running_requests)
         self.decode = DecodeManager()
+        self.speculator = Speculator(config.speculative, config.jump_forward)
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
@@ -350,11 +365,13 @@ class Scheduler:
             self.decode.remove(req)
             self.cache.release(req, cache=False)
             self.rows.free(req.table_idx)
+        self.speculator.finish(req)
         tracker.fail("abort", "the request was cancelled")
 
     def _step(self) -> None:
-        if self.guided_uids and self.in_flight is not None:
-            self.engine.flush()  # the guided rows' masks need the tokens of the step in flight
+        if self.in_flight is not None and self.speculator.may_draft(len(self.decode.running),
+                                                                    bool(self.guided_uids)):
+            self.engine.flush()  # drafts follow from the tokens of the step in flight
             self._read_tokens(self.in_flight)
             self.in_flight = None
         sent = self._send_next_step()
@@ -365,6 +382,12 @@ class Scheduler:
             if sent is None:
                 self.engine.flush()
             self._read_tokens(self.in_flight)
+        if sent is not None and sent.masks_follow:
+            self.engine.send(masks_message(self._token_masks(sent.batch, sent.masks_follow)))
+        if sent is not None and sent.verifies:  # the next step's drafts need its tokens
+            self.engine.flush()
+            self._read_tokens(sent)
+            sent = None
         self.in_flight = sent
 
     def _send_next_step(self) -> _SentStep | None:
@@ -375,20 +398,29 @@ class Scheduler:
             req.admitted_step, req.admitted_ns = self.num_steps, now
             if req.guide is not None:
                 self.guided_uids.add(req.uid)
-        is_prefill = bool(batch)
-        num_prefill = len(batch)
-        if not is_prefill:
-            batch = self.decode.schedule()
-            if not batch:
+        decode = []
+        if not batch or self.config.mixed_prefill:
+            decode = self.decode.schedule()
+            if not batch and not decode:
                 return None  # overlap: every running request may be done; else cannot happen
-        elif self.config.mixed_prefill:
-            batch = batch + self.decode.schedule()  # decode rows ride along, after the prefill
+            if not batch and self.in_flight is None and self.speculator.may_draft(
+                    len(decode), bool(self.guided_uids)):
+                self.speculator.draft(decode, {r.uid for r in decode
+                                               if r.sampling_params.uses_penalties})
+        # Rows that send their start (prompt chunks; verify rows; rows after rejected drafts)
+        # come first, then those that decode from the engine's own row length.
+        explicit = [r for r in decode if r.drafts or r.explicit]
+        batch = batch + explicit + [r for r in decode if not (r.drafts or r.explicit)]
+        num_prefill = len(batch) - len(decode) + len(explicit)
+        is_prefill = num_prefill > 0
         rows_in_use = self.rows.num_rows - self.rows.num_free
         self.peak_running = max(self.peak_running, rows_in_use)
         message = self._step_message(batch, admitted, is_prefill, num_prefill)
         self.engine.send(message.to_bytes())
         self.num_steps += 1
-        return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch])
+        return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch],
+                         self._guided_rows(batch) if message.masks_follow else [],
+                         verifies=bool(explicit))
 
     def _read_tokens(self, sent: _SentStep | None) -> None:
         if sent is None:
@@ -426,27 +458,44 @@ class Scheduler:
                 msg.new_pages.extend(req.pages[req.pages_sent :])
                 req.pages_sent = len(req.pages)
             if is_prefill and i < num_prefill:
-                if wants_context_logits(req):
+                if req.cached_len < req.prompt_len and wants_context_logits(req):
                     msg.context_rows.append(i)
+                if req.drafts:
+                    msg.draft_rows.append(i)
+                    msg.draft_counts.append(len(req.drafts))
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
-                msg.tokens.extend(req.input_ids[req.cached_len : req.device_len])
+                msg.tokens.extend(req.step_tokens)
         for req in admitted:
             self._admission(msg, req)
         if self.guided_uids:
-            self._token_masks(msg, batch)
+            guided = self._guided_rows(batch)
+            msg.guide_rows = _slots_of(batch, guided)
+            # A step in flight holds tokens these masks depend on: they follow once it is read.
+            msg.masks_follow = bool(guided) and self.in_flight is not None
+            if guided and not msg.masks_follow:
+                msg.guide_masks = self._token_masks(batch, guided).reshape(-1)
         return msg
 
-    def _token_masks(self, msg: StepMessage, batch: list[Req]) -> None:
-        """The grammar masks of the guided rows that sample a token this step."""
-        guided = [i for i, req in enumerate(batch)
-                  if req.guide is not None and req.device_len >= req.prompt_len]
-        if not guided:
-            return
-        masks = np.empty((len(guided), mask_words(self.vocab_size)), dtype=np.int32)
-        for j, i in enumerate(guided):
-            batch[i].guide.fill(masks, j)
-        msg.guide_rows, msg.guide_masks = guided, masks.reshape(-1)
+    @staticmethod
+    def _guided_rows(batch: list[Req]) -> list[int]:
+        """Batch indices of the guided rows that sample a token this step."""
+        return [i for i, req in enumerate(batch)
+                if req.guide is not None and req.device_len >= req.prompt_len]
+
+    def _token_masks(self, batch: list[Req], guided: list[int]) -> np.ndarray:
+        """The grammar masks of the slots of the guided rows `guided` (batch indices),
+        [slots, words]; a row whose request has ended since (it runs one extra step, whose
+        token is dropped) allows every token."""
+        masks = np.full((len(_slots_of(batch, guided)), mask_words(self.vocab_size)), -1,
+                        dtype=np.int32)
+        slot = 0
+        for i in guided:
+            req = batch[i]
+            if req.uid in self.trackers and not req.guide.finished:
+                req.guide.fill_with_drafts(masks, slot, req.drafts)
+            slot += 1 + len(req.drafts)
+        return masks
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         """What the engine needs of a newly admitted request: its per-row controls, and its
@@ -482,16 +531,26 @@ class Scheduler:
             tracker = self.trackers.get(sent.batch[i].uid)
             if tracker is not None:
                 tracker.add_context_logits(logits)
-        for i, (req, counts, token) in enumerate(zip(sent.batch, sent.counts,
-                                                     reply.tokens.tolist())):
+        sampled, slot = reply.tokens.tolist(), 0
+        for req, counts in zip(sent.batch, sent.counts):
+            first, slot = slot, slot + 1 + len(req.drafts)
             tracker = self.trackers.get(req.uid)
             if not counts or tracker is None or req.table_idx < 0:
+                req.drafts = []
                 continue  # a prompt chunk, or a request that ended after this step was sent
-            if tracker.add_token(token, logprobs.get(i), generation_logits.get(i)):
-                self._finish(req)
+            tokens = (self.speculator.settle(req, sampled[first:slot])
+                      if req.drafts or req.explicit else [sampled[first]])
+            for j, token in enumerate(tokens):
+                if tracker.add_token(token, logprobs.get(first + j),
+                                     generation_logits.get(first + j)):
+                    # Ended inside kept drafts: its KV holds every token it keeps.
+                    req.cached_len = min(req.cached_len, len(req.input_ids))
+                    self._finish(req)
+                    break
 
     def _finish(self, req: Req) -> None:
         del self.trackers[req.uid]
+        self.speculator.finish(req)
         self.guided_uids.discard(req.uid)
         first = req.uid - req.index
         if first in self.group_size and not any(

@@ -1,0 +1,97 @@
+"""Which decode rows verify draft tokens in a step, and what a verify step's samples mean.
+
+A row with k drafts computes its last sampled token and the k drafts in one extend against
+its paged KV and samples a token at each of those k + 1 positions (its "slots"), each with
+the seed of its position, as the non-speculative steps would. The drafts equal to what was
+sampled before them are kept, plus the token sampled after the last kept one: the output is
+exactly the non-speculative output (greedy or seeded). The KV of rejected drafts lies past
+the row's new length: never cached, overwritten by the next tokens.
+
+Drafts come from the proposer (`speculative`), and for guided rows from the grammar when it
+forces a continuation (jump-forward, `jump_forward`), cut at the first token the grammar
+rejects. Steps with more rows than `speculative_max_batch_size` do not speculate; a request
+whose drafts are rarely kept stops getting drafts.
+"""
+
+from __future__ import annotations
+
+import random
+
+from minisgl_backend.core import Req
+from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, create_proposer
+
+MIN_DRAFTS_JUDGED = 32  # drafts a request is given before its acceptance rate is judged
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, jump_forward: bool) -> None:
+        self.config = config
+        self.jump_forward = jump_forward
+        self.proposer = create_proposer(config)
+        synthetic = config.speculative_synthetic_acceptance
+        self._synthetic = None if synthetic is None else (synthetic, random.Random(0))
+        self.steps = 0  # verify steps run
+        self.drafted = 0  # draft tokens verified
+        self.accepted = 0  # of those, kept
+
+    def may_draft(self, running: int, guided: bool) -> bool:
+        """Whether a decode step of `running` rows may verify drafts (its tokens are then
+        needed before the step is built: no overlap)."""
+        return ((self.proposer is not None or (self.jump_forward and guided))
+                and running <= self.config.speculative_max_batch_size)
+
+    def draft(self, batch: list[Req], no_drafts: set[int]) -> None:
+        """Give each row of a decode batch its drafts (`Req.drafts`; rows in `no_drafts`,
+        uids, get none) and extend its `device_len` by them."""
+        for req in batch:
+            req.drafts = [] if req.uid in no_drafts else self._drafts(req)
+            req.device_len += len(req.drafts)
+
+    def _drafts(self, req: Req) -> list[int]:
+        # The row's tokens after the drafts stay within max_tokens (what admission reserved).
+        limit = min(self.config.num_speculative_tokens,
+                    req.sampling_params.max_tokens - len(req.output_ids) - 1)
+        if limit <= 0:
+            return []
+        drafts: list[int] = []
+        if req.guide is not None and self.jump_forward:
+            drafts = req.guide.forced_tokens()[:limit]
+        if not drafts and self.proposer is not None and self._keeps_drafting(req):
+            drafts = self.proposer.propose(req.uid, req.input_ids, limit)
+            if not drafts and self._synthetic is not None:  # benchmarks: always draft
+                drafts = [req.input_ids[-1]] * limit
+        if req.guide is not None and drafts:
+            drafts = drafts[: req.guide.valid_prefix(drafts)]
+        return drafts
+
+    def _keeps_drafting(self, req: Req) -> bool:
+        return (req.drafted < MIN_DRAFTS_JUDGED
+                or req.accepted >= self.config.speculative_min_acceptance * req.drafted)
+
+    def settle(self, req: Req, sampled: list[int]) -> list[int]:
+        """The tokens a verify row keeps from its slots' samples (at least one); its lengths
+        roll back past the rejected drafts."""
+        drafts = req.drafts
+        if self._synthetic is not None and drafts:
+            rate, rng = self._synthetic
+            kept = next((i for i in range(len(drafts)) if rng.random() >= rate), len(drafts))
+            tokens = drafts[:kept] + [sampled[kept]]
+        else:
+            kept = accepted_drafts(drafts, sampled)
+            tokens = sampled[: kept + 1]
+        rejected = len(drafts) - kept
+        req.cached_len -= rejected
+        req.device_len = req.cached_len
+        req.explicit = rejected > 0
+        req.drafted += len(drafts)
+        req.accepted += kept
+        if drafts:
+            self.steps += 1
+            self.drafted += len(drafts)
+            self.accepted += kept
+        req.drafts = []
+        return tokens
+
+    def finish(self, req: Req) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(req.uid, req.input_ids)

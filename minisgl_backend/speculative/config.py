@@ -1,0 +1,53 @@
+"""The speculative-decoding settings, declared once: `LLM` keywords and `config.pbtxt`
+parameters of the same names, validated here (`fields.validate`), listed in the README."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl_backend.fields import spec_field, validate
+
+METHODS = ("ngram", "suffix")
+
+
+def _method(value: object) -> str | None:
+    if value in (None, "", "none"):
+        return None
+    if value not in METHODS:
+        raise ValueError(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How decode steps draft and verify tokens (no draft model: the drafts come from the
+    request's own tokens, `ngram`, or from those and recent requests' outputs, `suffix`)."""
+
+    speculative: str | None = spec_field(
+        None, "custom", "draft-free speculative decoding: None (off), `ngram` or `suffix`",
+        normalize=_method, accepts="None, 'ngram' or 'suffix'")
+    num_speculative_tokens: int = spec_field(
+        4, "int", "draft tokens verified per decode row and step at most", low=1, high=16)
+    speculative_max_batch_size: int = spec_field(
+        32, "int", "decode steps with more rows than this do not speculate (large batches "
+        "have no compute to spare)", low=1)
+    speculative_min_acceptance: float = spec_field(
+        0.1, "float", "a request whose drafts were accepted at less than this rate (after 32 "
+        "drafts) stops speculating", low=0.0, high=1.0)
+    speculative_ngram_max: int = spec_field(
+        4, "int", "`ngram`: longest suffix of the request's tokens matched", low=1, high=32)
+    speculative_suffix_tokens: int = spec_field(
+        1 << 16, "int", "`suffix`: tokens of ended requests kept to draft from (memory: at "
+        "most about 1.2 KB per token)", low=0)
+    # Benchmarks of random-weight models only: accept each draft token with this probability
+    # instead of checking it against the target model (the outputs are then meaningless).
+    speculative_synthetic_acceptance: float | None = spec_field(
+        None, "float", "benchmarks only: accept each draft token with this probability",
+        low=0.0, high=1.0, nullable=True)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative is not None

@@ -1,0 +1,158 @@
+"""Speculative decoding (`ngram`, `suffix`) and jump-forward on CPU.
+
+Oracle: the same requests without speculation. Each verify slot samples with the seed of its
+position, so greedy and seeded outputs (and their log-probabilities) must be equal token for
+token, whatever the drafts; under overlap on and off, page size 16, chunked prefill, prefix-cache
+hits, scarce KV and tensor parallel 2, next to requests that use the other controls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, speculative_config
+from minisgl_backend.speculative.ngram import NgramIndex
+from minisgl_backend.speculative.suffix import SuffixProposer
+
+KV_TOKENS = 2048
+
+
+def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    loop = [5, 6, 7, 8, 9] * 6  # repetitive prompts: n-gram drafts get accepted
+    prompts = [loop, [11, 12, 13, 11, 12, 13, 11, 12] * 2, list(range(30, 62)),
+               loop[:17] + [40, 41], [50, 51, 52] * 7, loop[3:], [70, 71] * 9]
+    params = [
+        SamplingParams(max_tokens=40),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=1, logprobs=2),
+        SamplingParams(max_tokens=20, repetition_penalty=1.3, presence_penalty=0.2),
+        SamplingParams(max_tokens=24, min_tokens=10, temperature=0.7, seed=4, n=2),
+        SamplingParams(max_tokens=30, logit_bias={6: 2.0}, bad_token_ids=[[8, 9]]),
+        SamplingParams(max_tokens=28, regex=r"[0-9a-z ]{4,40}"),
+    ]
+    return prompts, params
+
+
+def _run(model: Path, **settings: object) -> tuple[list, tuple[int, int, int]]:
+    settings = {"max_total_tokens": KV_TOKENS, **settings}
+    with LLM(model, device="cpu", **settings) as llm:
+        outs = llm.generate(*_requests())
+        again = llm.generate(*_requests())  # prefix-cache hits, the suffix history in use
+        spec = llm.scheduler.speculator
+        stats = (spec.steps, spec.drafted, spec.accepted)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    return outs, stats
+
+
+def _summary(outs: list) -> list:
+    return [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def _logprobs(outs: list) -> list:
+    return [o.logprobs for o in outs if o.logprobs is not None]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_models: dict[str, Path]) -> list:
+    outs, stats = _run(tiny_models["llama"], jump_forward=False)
+    assert stats == (0, 0, 0)
+    return outs
+
+
+@pytest.mark.parametrize("settings", [
+    {"speculative": "ngram"},
+    {"speculative": "suffix", "num_speculative_tokens": 6},
+    {"speculative": "ngram", "overlap": False},
+    {"speculative": "ngram", "page_size": 16, "chunked_prefill_size": 16},
+    {"speculative": "suffix", "max_total_tokens": 256, "num_speculative_tokens": 8},
+    {"speculative": "ngram", "tp_size": 2},
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_speculative_outputs_equal_the_non_speculative_ones(tiny_models: dict[str, Path],
+                                                            baseline: list,
+                                                            settings: dict) -> None:
+    outs, (steps, drafted, accepted) = _run(tiny_models["llama"], **settings)
+    assert _summary(outs) == _summary(baseline)
+    # Verify steps compute a position's logits in an extend, not a decode: equal to rounding.
+    for got, want in zip(_logprobs(outs), _logprobs(baseline)):
+        assert got == pytest.approx(want, abs=1e-4)
+    assert steps > 0 and 0 < accepted < drafted  # drafts were kept and rejected
+
+
+def test_a_stop_token_inside_kept_drafts_ends_the_request_there(tiny_models: dict[str, Path],
+                                                                baseline: list) -> None:
+    tokens = baseline[0].token_ids
+    stop = tokens[len(tokens) // 2]
+    params = SamplingParams(max_tokens=40, stop_token_ids=[stop])
+    prompt = _requests()[0][0]
+    results = []
+    for settings in ({}, {"speculative": "ngram"}):
+        with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+                 **settings) as llm:
+            results.append(llm.generate([prompt], params)[0])
+    assert results[0].token_ids == results[1].token_ids == tokens[: tokens.index(stop) + 1]
+    assert results[1].finish_reason == "stop"
+
+
+def test_synthetic_acceptance_keeps_every_draft(tiny_models: dict[str, Path]) -> None:
+    """The benchmark-only setting: drafts are kept with the given probability (here all), so
+    requests run to max_tokens in about max_tokens / (k + 1) steps."""
+    with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+             speculative="ngram", num_speculative_tokens=3,
+             speculative_synthetic_acceptance=1.0) as llm:
+        out = llm.generate([list(range(40, 50))], SamplingParams(max_tokens=33, ignore_eos=True))
+        spec = llm.scheduler.speculator
+        assert len(out[0].token_ids) == 33
+        assert spec.accepted == spec.drafted > 0 and spec.steps <= 33 // 4 + 1
+
+
+def test_ngram_index_proposes_what_followed_the_longest_match() -> None:
+    index = NgramIndex(max_n=3)
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3]
+    index.extend(tokens)
+    assert index.continuation(tokens, 2) == [5, 7]  # "2 3" last seen before "5 7"
+    tokens += [5]
+    index.extend(tokens)
+    assert index.continuation(tokens, 4) == [7, 2, 3, 5]  # "2 3 5" -> "7 2 3 5"
+    assert index.continuation([8, 8, 6], 3) == []
+
+
+def test_suffix_history_is_bounded_and_forgets_completely() -> None:
+    proposer = SuffixProposer(max_tokens=50)
+    for uid in range(20):
+        seq = [uid % 3, 7, 8, 9, uid % 5] * 4
+        proposer.propose(uid, seq, 4)
+        proposer.finish(uid, seq)
+        assert proposer.stored_tokens <= 50
+    assert proposer.propose(99, [1, 7, 8], 3) == [9, 4, 1]  # the most frequent continuation
+    proposer.max_tokens = 0
+    proposer.finish(100, [])
+    for uid in list(proposer.stored):
+        proposer.history.add(proposer.stored.pop(uid), sign=-1)
+    assert proposer.history.table == {}
+
+
+def test_accepted_drafts_is_the_longest_equal_prefix() -> None:
+    assert accepted_drafts([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_drafts([4, 5], [4, 5, 6]) == 2
+    assert accepted_drafts([4], [3, 4]) == 0
+    assert accepted_drafts([], [3]) == 0
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    ({"speculative": "eagle"}, "speculative"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"speculative_max_batch_size": 0}, "speculative_max_batch_size"),
+    ({"speculative_min_acceptance": 1.5}, "speculative_min_acceptance"),
+    ({"speculative_synthetic_acceptance": -0.1}, "speculative_synthetic_acceptance"),
+    ({"num_draft_tokens": 3}, "num_draft_tokens"),
+])
+def test_invalid_settings_name_the_setting(settings: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        speculative_config(settings)
+
+
+def test_speculation_is_off_by_default() -> None:
+    assert not SpeculativeConfig().enabled
