@@ -39,6 +39,9 @@ class GenerationOutput:
     # with return_generation_logits: each generated token's raw logits [tokens, vocab].
     context_logits: np.ndarray | None = None
     generation_logits: np.ndarray | None = None
+    # Speculative decoding: draft tokens verified for this sample, and of them kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -209,6 +212,8 @@ class _Collector:
             result.text += out.text
             result.token_ids.extend(out.token_ids)
             result.cached_tokens = out.cached_tokens
+            result.draft_tokens = out.draft_tokens
+            result.accepted_draft_tokens = out.accepted_draft_tokens
             if out.logprobs is not None:
                 if result.logprobs is None:
                     result.logprobs, result.top_logprobs = [], []

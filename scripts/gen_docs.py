@@ -16,6 +16,7 @@ from pathlib import Path
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.fields import markdown_table
 from minisgl_backend.serving.interface import OUTPUTS, inputs_of
+from minisgl_backend.speculative import SpeculativeConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -36,6 +37,7 @@ def triton_outputs() -> str:
 
 
 TABLES = {"sampling-params": lambda: markdown_table(SamplingParams),
+          "speculative": lambda: markdown_table(SpeculativeConfig),
           "triton-inputs": triton_inputs, "triton-outputs": triton_outputs}
 
 

@@ -7,6 +7,7 @@ that its script exited 0 and ended with a Markdown table of positive numbers.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -332,6 +333,8 @@ def test_bench_structured_output_prints_guided_next_to_unguided() -> None:
     header, rows = last_table(run.stdout)
     assert header == ["batch", "config", "tokens", "decode tok/s", "ms/step", "vs unguided"]
     assert [(r[0], r[1]) for r in rows] == [(b, c) for b in ("1", "2")
-                                            for c in ("unguided", "json_schema")]
+                                            for c in ("unguided", "json_schema",
+                                                      "json_schema+jump")]
     assert all(number(cell) > 0 for r in rows for cell in r[2:])
     assert run.stdout.count("compile ") == 3 and "cached" in run.stdout
+    assert re.search(r"jump-forward: [1-9]\d* of \d+ forced tokens kept", run.stdout)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +131,19 @@ def test_chat_messages_from_text_or_json() -> None:
     for bad in ('[{"role": 1}]', "[1, 2]", "[]", '[{"role": "user"'):
         with pytest.raises(RequestError, match="text_input"):
             chat_messages(bad)
+
+
+def test_every_engine_setting_is_a_parameter_of_the_minisgl_config() -> None:
+    from minisgl_backend.serving.settings import engine_parameter_names
+
+    text = (Path(__file__).resolve().parents[1] / "model_repository" / "minisgl"
+            / "config.pbtxt").read_text()
+    keys = set(re.findall(r'parameters \{ key: "(\w+)"', text))
+    assert set(engine_parameter_names()) <= keys
+    speculative = engine_settings({"speculative": "ngram", "num_speculative_tokens": "3",
+                                   "speculative_min_acceptance": "0.2", "jump_forward": "no"})
+    assert speculative == {"speculative": "ngram", "num_speculative_tokens": 3,
+                           "speculative_min_acceptance": 0.2, "jump_forward": False}
 
 
 def test_engine_settings_from_parameters(tmp_path) -> None:  # noqa: ANN001

@@ -42,7 +42,7 @@ def _run(model: Path, **settings: object) -> tuple[list, tuple[int, int, int]]:
         outs = llm.generate(*_requests())
         again = llm.generate(*_requests())  # prefix-cache hits, the suffix history in use
         spec = llm.scheduler.speculator
-        stats = (spec.steps, spec.drafted, spec.accepted)
+        stats = (spec.verified_rows, spec.drafted, spec.accepted)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     return outs, stats
 
@@ -105,7 +105,8 @@ def test_synthetic_acceptance_keeps_every_draft(tiny_models: dict[str, Path]) ->
         out = llm.generate([list(range(40, 50))], SamplingParams(max_tokens=33, ignore_eos=True))
         spec = llm.scheduler.speculator
         assert len(out[0].token_ids) == 33
-        assert spec.accepted == spec.drafted > 0 and spec.steps <= 33 // 4 + 1
+        assert spec.accepted == spec.drafted > 0 and spec.verified_rows <= 33 // 4 + 1
+        assert out[0].draft_tokens == out[0].accepted_draft_tokens == spec.drafted
 
 
 def test_ngram_index_proposes_what_followed_the_longest_match() -> None:

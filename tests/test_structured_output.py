@@ -244,13 +244,13 @@ def test_jump_forward_verifies_forced_tokens_with_the_same_text(default_model: P
              SamplingParams(max_tokens=48, json_schema=schema, temperature=0.8, seed=7)]
     prompts = [smol_prompt(smol, 0), smol_prompt(smol, 8)]
     spec = smol.scheduler.speculator
-    before = (spec.steps, spec.accepted)
+    before = (spec.verified_rows, spec.accepted)
     with_jumps = smol.generate(prompts, cases)
-    assert spec.steps > before[0] and spec.accepted > before[1]
+    assert spec.verified_rows > before[0] and spec.accepted > before[1]
     with LLM(default_model, device="cpu", max_total_tokens=KV_TOKENS,
              jump_forward=False) as plain:
         without = plain.generate(prompts, cases)
-        assert plain.scheduler.speculator.steps == 0
+        assert plain.scheduler.speculator.verified_rows == 0
     assert [o.token_ids for o in with_jumps] == [o.token_ids for o in without]
     for out, p in zip(with_jumps, cases):
         check_valid(out.text, p)

@@ -287,12 +287,21 @@ def test_guided_decoding_inputs(server: TritonServer, tokenizer) -> None:  # noq
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the weather in Paris?"}],
         add_generation_prompt=True, tokenize=False)
+    drafts_before = metrics(server).get("minisgl_spec_draft_tokens_total", 0)
     tool_call = grpc_generate(server, ensemble_inputs(
         chat, 64, stream=True, return_num_input_tokens=True, return_num_output_tokens=True,
-        guided_decoding_guide_type="json_schema",
+        return_perf_metrics=True, guided_decoding_guide_type="json_schema",
         guided_decoding_guide=json.dumps(WEATHER_TOOL)))
     assert_one_final_last(tool_call)
     jsonschema.validate(json.loads(tool_call.text), WEATHER_TOOL)
+    # Jump-forward (on in the shipped config) verified the schema's fixed keys as drafts.
+    perf = tool_call.last.outputs
+    assert perf["total_draft_tokens"] >= perf["total_accepted_draft_tokens"] > 0
+    assert 0 < perf["acceptance_rate"][0] <= 1
+    deadline = time.monotonic() + 5  # the gauges and this counter are sent every 20 ms
+    while metrics(server).get("minisgl_spec_draft_tokens_total", 0) <= drafts_before:
+        assert time.monotonic() < deadline, "minisgl_spec_draft_tokens_total did not grow"
+        time.sleep(0.05)
     for kind, guide, valid in (
             ("regex", "[0-9]{3}-[0-9]{4}", lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
             ("ebnf_grammar", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no")),

@@ -243,14 +243,17 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, local_rows, self.local_rope)
             else:
                 x, residual = layer(x, residual, rows, self.rope)
-        if batch.logit_tokens is not None:  # prompt logits asked for (rare: a second head pass)
-            picked = batch.logit_tokens
-            h, _ = self.model.norm.forward_with_residual(
-                x[picked], None if residual is None else residual[picked])
-            batch.token_logits = self.lm_head(h)
         if batch.is_prefill:  # only the last token of each request is sampled
             last = host_to_device(batch.extend_lens, x.device).cumsum(0) - 1
+            if batch.logit_tokens is not None:
+                # Other tokens' logits too (prompt logits, verify steps' drafts): one head
+                # pass over both, so that the head's weights are read once.
+                last = torch.cat([last, batch.logit_tokens])
             x = x[last]
             residual = None if residual is None else residual[last]
         x, _ = self.model.norm.forward_with_residual(x, residual)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if batch.logit_tokens is not None:
+            batch.token_logits = logits[batch.size:]
+            logits = logits[: batch.size]
+        return logits

@@ -41,6 +41,9 @@ class RequestOutput:
     # of each token of `token_ids` [tokens, vocab].
     context_logits: np.ndarray | None = None
     generation_logits: np.ndarray | None = None
+    # Speculative decoding, so far in the request: draft tokens verified, and of them kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -132,6 +135,7 @@ class OutputTracker:
             finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,
             error=error, index=req.index, pages=len(req.pages), reused_pages=req.reused_pages,
             admitted_ns=req.admitted_ns, emitted_ns=time.time_ns(),
+            draft_tokens=req.drafted, accepted_draft_tokens=req.accepted,
         )
         if self._logits is not None and tokens:
             out.generation_logits = self._logits[None]

@@ -73,6 +73,11 @@ class SchedulerStats:
     running: int
     waiting: int
     steps: int
+    # Speculative decoding so far: rows that verified drafts (summed over steps), draft
+    # tokens verified, and of them kept.
+    verified_rows: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -437,6 +442,8 @@ class Scheduler:
             kv_pages_total=cache.num_pages, kv_pages_in_use=cache.num_pages - free - cached,
             kv_pages_cached=cached, running=self.rows.num_rows - self.rows.num_free,
             waiting=waiting, steps=self.num_steps,
+            verified_rows=self.speculator.verified_rows, draft_tokens=self.speculator.drafted,
+            accepted_draft_tokens=self.speculator.accepted,
         )
 
     def _running(self) -> list[Req]:

@@ -30,7 +30,7 @@ class Speculator:
         self.proposer = create_proposer(config)
         synthetic = config.speculative_synthetic_acceptance
         self._synthetic = None if synthetic is None else (synthetic, random.Random(0))
-        self.steps = 0  # verify steps run
+        self.verified_rows = 0  # rows that verified drafts, summed over steps
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of those, kept
 
@@ -86,7 +86,7 @@ class Speculator:
         req.drafted += len(drafts)
         req.accepted += kept
         if drafts:
-            self.steps += 1
+            self.verified_rows += 1
             self.drafted += len(drafts)
             self.accepted += kept
         req.drafts = []

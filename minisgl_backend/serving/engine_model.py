@@ -390,8 +390,8 @@ def _group_by_request(items: list[tuple[ActiveRequest, RequestOutput]]
 
 
 def perf_metrics(arrived_ns: int, seq: SequenceState, out: RequestOutput) -> dict[str, float]:
-    """The `return_perf_metrics` outputs of a sequence's response, by name (no speculative
-    decoding yet: no draft tokens)."""
+    """The `return_perf_metrics` outputs of a sequence's response, by name (draft tokens:
+    the request's so far)."""
     return {
         "kv_cache_alloc_new_blocks": out.pages - out.reused_pages,
         "kv_cache_reused_blocks": out.reused_pages,
@@ -400,9 +400,10 @@ def perf_metrics(arrived_ns: int, seq: SequenceState, out: RequestOutput) -> dic
         "first_scheduled_time_ns": out.admitted_ns,
         "first_token_time_ns": seq.first_token_ns,
         "last_token_time_ns": seq.last_token_ns,
-        "acceptance_rate": 0.0,
-        "total_accepted_draft_tokens": 0,
-        "total_draft_tokens": 0,
+        "acceptance_rate": (out.accepted_draft_tokens / out.draft_tokens
+                            if out.draft_tokens else 0.0),
+        "total_accepted_draft_tokens": out.accepted_draft_tokens,
+        "total_draft_tokens": out.draft_tokens,
     }
 
 

@@ -33,9 +33,15 @@ class EngineMetrics:
             _family("minisgl_generated_tokens_total", "Tokens generated", counter),
             _family("minisgl_time_to_first_token_seconds",
                     "Time from arrival to the first output", pb_utils.MetricFamily.HISTOGRAM),
+            _family("minisgl_spec_acceptance_rate",
+                    "Speculative decoding: draft tokens kept / verified, since the start", gauge),
+            _family("minisgl_spec_accepted_tokens_per_step",
+                    "Speculative decoding: draft tokens kept per verifying row and step, since "
+                    "the start", gauge),
+            _family("minisgl_spec_draft_tokens_total", "Draft tokens verified", counter),
         ]
         (pages_total, in_use, cached, running, waiting, prompt_cached, prompt, generated,
-         ttft) = self._families
+         ttft, acceptance, accepted_per_step, drafts) = self._families
         self.pages_total = pages_total.Metric(labels=labels)
         self.pages_in_use = in_use.Metric(labels=labels)
         self.pages_cached = cached.Metric(labels=labels)
@@ -45,9 +51,13 @@ class EngineMetrics:
         self.prompt = prompt.Metric(labels=labels)
         self.generated = generated.Metric(labels=labels)
         self.ttft = ttft.Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.acceptance = acceptance.Metric(labels=labels)
+        self.accepted_per_step = accepted_per_step.Metric(labels=labels)
+        self.drafts = drafts.Metric(labels=labels)
+        self._drafts_sent = 0
         self._gauges = (self.pages_total, self.pages_in_use, self.pages_cached, self.running,
-                        self.waiting)
-        self._gauge_values: tuple[int, ...] = (-1,) * len(self._gauges)  # nothing set yet
+                        self.waiting, self.acceptance, self.accepted_per_step)
+        self._gauge_values: tuple[float, ...] = (-1,) * len(self._gauges)  # nothing set yet
         # Counted by record_output, sent by flush (both on the response thread).
         self._pending_generated = self._pending_prompt = self._pending_cached = 0
         self._pending_ttft: list[float] = []
@@ -57,7 +67,12 @@ class EngineMetrics:
         holds the GIL while it waits: an idle model must make none, or a stub whose server
         exited without unloading it blocks there forever (its watchdog never runs)."""
         values = (stats.kv_pages_total, stats.kv_pages_in_use, stats.kv_pages_cached,
-                  stats.running, stats.waiting)
+                  stats.running, stats.waiting,
+                  stats.accepted_draft_tokens / max(1, stats.draft_tokens),
+                  stats.accepted_draft_tokens / max(1, stats.verified_rows))
+        if stats.draft_tokens > self._drafts_sent:
+            self.drafts.increment(stats.draft_tokens - self._drafts_sent)
+            self._drafts_sent = stats.draft_tokens
         if values == self._gauge_values:
             return
         for gauge, value, old in zip(self._gauges, values, self._gauge_values):

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from minisgl_backend.fields import specs_of
 from minisgl_backend.serving.request import RequestPolicy
+from minisgl_backend.speculative import SpeculativeConfig
 
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # relative to the repository root
 
@@ -27,9 +29,18 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type | str]] = {
     "overlap": ("overlap", "bool"),
     "fused_gemv_max_bs": ("fused_gemv_max_bs", int),
     "mixed_prefill": ("mixed_prefill", "bool"),
+    "jump_forward": ("jump_forward", "bool"),
     "load_format": ("load_format", str),
+    # Speculative decoding: SpeculativeConfig's fields, parameters of the same names.
+    **{name: (name, {"int": int, "float": float}.get(spec.kind, str))
+       for name, (spec, _) in specs_of(SpeculativeConfig).items()},
 }
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def engine_parameter_names() -> list[str]:
+    """Every engine setting a `config.pbtxt` may set (besides `model`)."""
+    return list(_ENGINE_PARAMETERS)
 
 
 def model_parameters(model_config: dict[str, Any]) -> dict[str, str]:
