@@ -7,15 +7,15 @@
 #   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
-# skipped and say so), STEPS (which steps, default all: tests offline decode controls kernels
-# mechanisms profile triton mixed tp). flashinfer must be importable; the `triton` step (and
+# skipped and say so), STEPS (which steps, default all: tests offline decode controls new spec
+# kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling FlashInfer. flashinfer must be importable; the `triton` step (and
 # `mixed`'s server run) needs tritonserver and perf_analyzer on PATH (TRITON_BACKEND_DIR for a
 # wheel install); `tp` needs two GPUs.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode controls kernels mechanisms profile triton mixed tp}
+STEPS=${STEPS:-tests offline decode controls new spec kernels mechanisms profile triton mixed tp}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -32,8 +32,12 @@ step() {
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 
 echo "== $GPUS GPU(s); steps: $STEPS; budget $BUDGET_S s"
-CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout 900 python3 scripts/warm_kernels.py > "$OUT/warm.log" 2>&1 &
-WARM=$!
+WARM=
+if [ "${WARM_KERNELS:-1}" = 1 ]; then  # WARM_KERNELS=0: steps that need no FlashInfer only
+  CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout 900 python3 scripts/warm_kernels.py \
+    > "$OUT/warm.log" 2>&1 &
+  WARM=$!
+fi
 if wants tests; then
   CUDA_VISIBLE_DEVICES=0 step 600 tests-triton python3 -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_qkv_prologue.py tests/test_fused_moe.py \
@@ -41,7 +45,9 @@ if wants tests; then
     tests/test_gpu_engine.py \
     -k "not flashinfer and not tensor_parallel"
 fi
-wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
+if [ -n "$WARM" ]; then
+  wait $WARM; echo "== kernels warm (exit $?) at $((SECONDS - T0)) s"; tail -n 3 "$OUT/warm.log"
+fi
 wants tests && step 600 tests-flashinfer-tp python3 -m pytest -q -p no:cacheprovider \
   tests/test_gpu_engine.py tests/test_triton_attention.py -k "flashinfer or tensor_parallel"
 export CUDA_VISIBLE_DEVICES=0
@@ -69,6 +75,17 @@ if wants controls; then  # per-request sampling controls: GPU tests, then decode
     tests/test_gpu_sampling_controls.py
   step 300 controls-qwen3-0.6b python3 scripts/bench_sampling_controls.py --device cuda \
     --shape qwen3-0.6b --load-format dummy --batch-sizes 1 64 256
+fi
+if wants new; then  # issues 16-18 on the GPU: speculative verify steps, windows, guided rows
+  step 420 tests-new python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculative.py \
+    tests/test_sliding_window_gpu.py tests/test_gpu_sampling_controls.py
+  step 300 tests-engine python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
+    tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
+fi
+if wants spec; then  # speculative decoding against the bandwidth roofline, synthetic acceptance
+  TAIL=12 step 420 spec-llama-3.1-8b python3 scripts/bench_speculative.py \
+    --shape llama-3.1-8b --batch-sizes 1 8 --acceptance 0.6 0.8 --num-speculative-tokens 4 \
+    --new-tokens 128 --attention-backend "${SPEC_BACKEND:-triton}"
 fi
 wants kernels && TAIL=40 step 300 kernels python3 scripts/bench_kernels.py \
   --batch-sizes 1 8 64 256 --context-lens 256 1024 2048 --page-sizes 16 64 \

@@ -122,6 +122,7 @@ class LLM:
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
+        spec = speculative_config(speculative)
         engine = EngineConfig(
             model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
             max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
@@ -129,11 +130,13 @@ class LLM:
             kv_memory_fraction=kv_memory_fraction, load_format=load_format,
             cuda_graph_max_bs=cuda_graph_max_bs, overlap=bool(overlap),
             fused_gemv_max_bs=fused_gemv_max_bs,
+            samples_per_row=(1 + spec.num_speculative_tokens
+                             if spec.enabled or jump_forward else 1),
         )
         config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
                                  cache=cache, debug_checks=debug_checks,
                                  mixed_prefill=bool(mixed_prefill),
-                                 speculative=speculative_config(speculative),
+                                 speculative=spec,
                                  jump_forward=bool(jump_forward))
         self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
                                    model_config.vocab_size)

@@ -40,11 +40,7 @@ from minisgl_backend.benchmark.cli import (
     print_header,
     torch_device,
 )
-from minisgl_backend.benchmark.hardware import (
-    measure_copy_bandwidth,
-    roofline_tokens_per_s,
-    weight_bytes,
-)
+from minisgl_backend.benchmark.hardware import measure_roofline
 from minisgl_backend.benchmark.workloads import fixed_workload
 from minisgl_backend.models import ModelConfig
 
@@ -155,12 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     with model_folder(args) as (folder, config):
         dtype = engine_dtype(args, config)
         device = torch_device(args)
-        weights = weight_bytes(ModelConfig.from_dict(config), dtype, args.tp_size or 1)
         copy_mib = args.copy_mib or (1024 if device.type == "cuda" else 64)
-        bandwidth = measure_copy_bandwidth(device, copy_mib << 20)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # give the probe's memory back before the engine sizes KV
-        roofline = roofline_tokens_per_s(bandwidth, weights)
+        roof = measure_roofline(ModelConfig.from_dict(config), dtype, device, args.tp_size or 1,
+                                copy_mib)
+        weights, bandwidth, roofline = roof.weights, roof.bandwidth, roof.tokens_per_s
         mini = bench_minisgl(args, folder, config["vocab_size"])
         hf = {} if args.skip_hf else bench_hf(args, folder, config["vocab_size"], dtype)
         print()

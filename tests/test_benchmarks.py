@@ -29,6 +29,8 @@ RUNS: dict[str, list[str]] = {
                      "--prompt-len", "4", "--repeats", "1", "--copy-mib", "16"],
     "bench_offline": ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4",
                       "--max-len", "12", "--detokenize", "both"],
+    "bench_speculative": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens",
+                          "12", "--prompt-len", "4", "--repeats", "1", "--acceptance", "0.8"],
     "bench_mechanisms": ["--shape", "tiny-qwen3-moe", "--num-requests", "3", "--min-len", "4",
                          "--max-len", "8", "--prefix-requests", "3", "--prefix-len", "48",
                          "--suffix-len", "4", "--prefix-output-len", "2"],
@@ -79,7 +81,7 @@ def check_run(outputs: dict[str, subprocess.CompletedProcess], name: str,
     for record in records:
         for column, cell in record.items():
             if cell == "-" or column in ("shape", "mechanism", "setting", "workload",
-                                         "detokenize"):
+                                         "detokenize", "config"):
                 continue
             assert number(cell) > 0 or (column in may_be_zero and number(cell) == 0), record
     return records
@@ -92,6 +94,15 @@ def test_bench_decode(outputs: dict[str, subprocess.CompletedProcess]) -> None:
     assert [r["batch"] for r in rows] == ["1", "2"]
     assert rows[0]["roofline tok/s"] != "-" and rows[1]["roofline tok/s"] == "-"
     assert all(r["HF tok/s"] != "-" for r in rows)
+
+
+def test_bench_speculative(outputs: dict[str, subprocess.CompletedProcess]) -> None:
+    """Off and with synthetic acceptance, per batch size; the roofline at batch 1."""
+    rows = check_run(outputs, "bench_speculative", (
+        "batch", "config", "decode tok/s", "vs off", "kept per verify", "of roofline"))
+    assert [(r["batch"], r["config"]) for r in rows] == [
+        (b, c) for b in ("1", "2") for c in ("off", "ngram k=4 p=0.8")]
+    assert rows[1]["kept per verify"] != "-" and rows[0]["of roofline"] != "-"
 
 
 def test_bench_offline(outputs: dict[str, subprocess.CompletedProcess]) -> None:

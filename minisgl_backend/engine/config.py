@@ -27,6 +27,9 @@ class EngineConfig:
     overlap: bool = True  # GPU: prepare and launch step N+1 while step N runs
     # GPU, tp_size 1: decode batches up to this size run fused few-rows GEMVs; 0: off.
     fused_gemv_max_bs: int = 2
+    # Samples a decode row may take in one step: 1 + its draft tokens with speculative
+    # decoding or jump-forward (each token of a verify row is a decode row of its own).
+    samples_per_row: int = 1
 
     @property
     def device_type(self) -> str:

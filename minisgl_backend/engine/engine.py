@@ -50,26 +50,16 @@ class LogitsReport:
 
 
 @dataclass
-class Slots:
-    """What a step samples: one slot per batch row, or per position of a verify row (see
-    `StepMessage.draft_rows`), in batch order."""
-
-    rows: np.ndarray  # table row of each slot, on cpu
-    rows_t: torch.Tensor  # the same on the device
-    logits: torch.Tensor  # [slots, vocab]
-    next_positions: torch.Tensor  # position of the token each slot samples (device)
-    positions: np.ndarray  # the same on cpu: the row's length once the token is appended
-
-
-@dataclass
 class StartedStep:
     """A step whose forward is launched and whose logits await the grammar masks (if any) and
     sampling (`Engine.start` -> `Engine.finish`)."""
 
     msg: StepMessage
-    rows: np.ndarray  # table rows, in batch order, on cpu
+    rows: np.ndarray  # the table row of each entry of the batch (each sample), on cpu
     batch: Batch
-    slots: Slots
+    logits: torch.Tensor  # [entries, vocab]
+    next_positions: torch.Tensor  # position of the token each entry samples (device)
+    seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
     controlled: bool  # some row uses a logits control
     raw_logprobs: tuple[np.ndarray, torch.Tensor] | None = None  # `LogitControls.raw_logprobs`
     logits_report: LogitsReport | None = None
@@ -173,7 +163,8 @@ class Engine:
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
-                min(config.cuda_graph_max_bs, config.max_running_requests), self.page_table,
+                min(config.cuda_graph_max_bs,
+                    config.max_running_requests * config.samples_per_row), self.page_table,
                 dummy_slot=self.kv_pool.dummy_slot)
 
     def _use_cuda_graphs(self) -> bool:
@@ -205,7 +196,8 @@ class Engine:
         self.row_stop_ids: dict[int, torch.Tensor] = {}
         self.num_launched = 0
         if self.device.type == "cuda":
-            self._host_tokens = [torch.empty(num_rows, dtype=torch.int32, pin_memory=True)
+            self._host_tokens = [torch.empty(num_rows * self.config.samples_per_row,
+                                             dtype=torch.int32, pin_memory=True)
                                  for _ in range(2)]
 
     def _free_memory(self) -> int:
@@ -253,7 +245,7 @@ class Engine:
         self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
                             np.asarray(msg.page_counts, dtype=np.int64),
                             np.asarray(msg.new_pages, dtype=np.int64))
-        batch = self._make_batch(rows, msg)
+        batch, rows = self._make_batch(rows, msg)
         if self.timeline is not None:
             self.timeline.forward()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -267,38 +259,35 @@ class Engine:
             next_positions = batch.positions + 1
         else:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        slots = self._slots(msg, rows, batch, logits, next_positions)
-        step = StartedStep(msg, rows, batch, slots,
+        step = StartedStep(msg, rows, batch, logits, next_positions,
+                           np.asarray(batch.seq_lens, dtype=np.int64),
                            controlled=bool(self.controls.active[rows].any()))  # one check
-        logits, rows = slots.logits, slots.rows
         if self.reports and (step.controlled or batch.token_logits is not None):
             step.logits_report = self._logits_report(logits, rows, msg, batch)
         if step.controlled:
             if self.reports:
                 step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
-            self.controls.apply(logits, rows, slots.rows_t, slots.next_positions,
-                                slots.positions)
-        self._mask_early_stops(logits, rows, slots.positions)
+            self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
+        self._mask_early_stops(logits, rows, step.seq_lens)
         return step
 
     @torch.inference_mode()
     def finish(self, step: StartedStep, guide_masks: np.ndarray | list) -> StepHandle:
         """The second half of `launch`: the guided rows' token masks (`step.msg.guide_rows`,
         row-major), sampling, and the copy of the sampled ids to the host."""
-        slots = step.slots
-        logits, rows = slots.logits, slots.rows
+        logits, rows, batch = step.logits, step.rows, step.batch
         if len(step.msg.guide_rows):
             apply_token_masks(logits, np.asarray(step.msg.guide_rows, dtype=np.int64),
                               np.asarray(guide_masks, dtype=np.int32))
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:
-            next_tokens = sample(logits, self._sampling_tensors(rows, slots.next_positions,
-                                                                slots.positions))
+            next_tokens = sample(logits, self._sampling_tensors(rows, step.next_positions,
+                                                                step.seq_lens))
         next_tokens = next_tokens.to(torch.int32)
-        self.token_pool[slots.rows_t, slots.next_positions] = next_tokens
+        self.token_pool[batch.rows, step.next_positions] = next_tokens
         if step.controlled:
-            self.controls.record(rows, slots.rows_t, next_tokens, slots.positions)
+            self.controls.record(rows, batch.rows, next_tokens, step.seq_lens)
         report = (self.controls.report(step.raw_logprobs, rows, next_tokens)
                   if step.raw_logprobs is not None else None)
         host = None
@@ -306,37 +295,10 @@ class Engine:
             # Two pinned buffers: step N+1 is launched before step N's ids are read.
             host = self._host_tokens[self.num_launched % 2]
         self.num_launched += 1
-        handle = StepHandle(next_tokens, host, step.batch, report, step.logits_report)
+        handle = StepHandle(next_tokens, host, batch, report, step.logits_report)
         if self.timeline is not None:
-            self.timeline.end(step.batch.phase, len(step.rows))
+            self.timeline.end(batch.phase, len(rows))
         return handle
-
-    def _slots(self, msg: StepMessage, rows: np.ndarray, batch: Batch, logits: torch.Tensor,
-               next_positions: torch.Tensor) -> Slots:
-        if not len(msg.draft_rows):
-            return Slots(rows, batch.rows, logits, next_positions, self.row_len[rows].copy())
-        # Verify rows: their token logits come after the context rows' in `token_logits`.
-        verify = np.asarray(msg.draft_rows, dtype=np.int64)
-        drafts = np.asarray(msg.draft_counts, dtype=np.int64)
-        context = batch.token_logits
-        num_context = int(np.asarray(msg.extend_lens, dtype=np.int64)[
-            np.asarray(msg.context_rows, dtype=np.int64)].sum())
-        assert context is not None
-        batch.token_logits = context[:num_context] if len(msg.context_rows) else None
-        # Slots per batch row, and for each its row of cat([logits, draft logits]).
-        per_row = np.ones(len(rows), dtype=np.int64)
-        per_row[verify] += drafts
-        batch_of_slot = np.repeat(np.arange(len(rows)), per_row)
-        within = ranges(0, per_row)  # a slot's index within its row's slots
-        last_slot = within == per_row[batch_of_slot] - 1
-        table_index = batch_of_slot.copy()
-        table_index[~last_slot] = len(rows) + np.arange(int(drafts.sum()))
-        slot_rows = rows[batch_of_slot]
-        positions = self.row_len[slot_rows] - per_row[batch_of_slot] + 1 + within
-        index_t, rows_t, positions_t = stack_to_device([table_index, slot_rows, positions],
-                                                       self.device)
-        table = torch.cat([logits, context[num_context:]])
-        return Slots(slot_rows, rows_t, table[index_t], positions_t, positions)
 
     def _logits_report(self, logits: torch.Tensor, rows: np.ndarray, msg: StepMessage,
                        batch: Batch) -> LogitsReport | None:
@@ -390,53 +352,59 @@ class Engine:
         self.page_table[row_t, col_t] = page_t.to(torch.int32)
         np.add.at(self.row_pages, rows, counts)
 
-    def _make_batch(self, rows: np.ndarray, msg: StepMessage) -> Batch:
+    def _make_batch(self, rows: np.ndarray, msg: StepMessage) -> tuple[Batch, np.ndarray]:
+        """The step's batch, and the table row of each of its entries (on cpu)."""
         dev = self.device
-        if msg.is_prefill:
-            rows_t = host_to_device(rows, dev)
-            starts = np.asarray(msg.starts, dtype=np.int64)
-            lens = np.asarray(msg.extend_lens, dtype=np.int64)
-            prefill_rows, decode_rows = rows[: len(starts)], rows[len(starts):]
-            num_prompt = int(lens.sum())
-            row_of_token, positions, tokens = stack_to_device(
-                [np.concatenate([np.repeat(prefill_rows, lens), decode_rows]),
-                 np.concatenate([ranges(starts, lens), self.row_len[decode_rows]]),
-                 np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
-                                 np.zeros(len(decode_rows), np.int64)])], dev)
-            prompt_tokens = tokens[:num_prompt].to(torch.int32)
-            self.token_pool[row_of_token[:num_prompt], positions[:num_prompt]] = prompt_tokens
-            # Decode rows riding along: their input is the token sampled for them last.
-            input_ids = torch.cat([prompt_tokens, self.token_pool[row_of_token[num_prompt:],
-                                                                  positions[num_prompt:]]])
-            self.row_len[prefill_rows] = starts + lens
-            self.row_len[decode_rows] += 1
-            phase, extend_lens = "prefill", lens.tolist() + [1] * len(decode_rows)
-        else:
+        if not len(msg.starts):  # a decode step (the common case)
             rows_t, positions = stack_to_device([rows, self.row_len[rows]], dev)
-            row_of_token = rows_t
             input_ids = self.token_pool[rows_t, positions]
             self.row_len[rows] += 1
-            phase, extend_lens = "decode", [1] * len(rows)
+            out_slots = token_slots(self.page_table, rows_t, positions, self.page_size)
+            return Batch(phase="decode", rows=rows_t, input_ids=input_ids.long(),
+                         positions=positions, out_slots=out_slots, extend_lens=[1] * len(rows),
+                         seq_lens=self.row_len[rows].tolist()), rows
+        # The first len(starts) rows send their tokens from a start position (prompt chunks;
+        # in decode steps, a last sampled token and its drafts); the others compute the token
+        # the engine sampled last for them, from its token pool.
+        starts = np.asarray(msg.starts, dtype=np.int64)
+        lens = np.asarray(msg.extend_lens, dtype=np.int64)
+        given, others = rows[: len(starts)], rows[len(starts):]
+        num_given = int(lens.sum())
+        token_rows = np.concatenate([np.repeat(given, lens), others])
+        host_positions = np.concatenate([ranges(starts, lens), self.row_len[others]])
+        row_of_token, positions, tokens = stack_to_device(
+            [token_rows, host_positions,
+             np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
+                             np.zeros(len(others), np.int64)])], dev)
+        given_tokens = tokens[:num_given].to(torch.int32)
+        self.token_pool[row_of_token[:num_given], positions[:num_given]] = given_tokens
+        input_ids = torch.cat([given_tokens, self.token_pool[row_of_token[num_given:],
+                                                             positions[num_given:]]])
+        self.row_len[given] = starts + lens
+        self.row_len[others] += 1
         out_slots = token_slots(self.page_table, row_of_token, positions, self.page_size)
-        batch = Batch(phase=phase, rows=rows_t, input_ids=input_ids.long(), positions=positions,
-                      out_slots=out_slots, extend_lens=extend_lens,
+        if not msg.is_prefill:
+            # Each token is a decode row of its own (its table row repeated), attending to the
+            # row's tokens up to itself: the tokens' KV is stored before attention runs, so
+            # this is causal attention, and it runs on the decode kernels and CUDA graphs.
+            return Batch(phase="decode", rows=row_of_token, input_ids=input_ids.long(),
+                         positions=positions, out_slots=out_slots,
+                         extend_lens=[1] * len(token_rows),
+                         seq_lens=(host_positions + 1).tolist()), token_rows
+        batch = Batch(phase="prefill", rows=host_to_device(rows, dev),
+                      input_ids=input_ids.long(), positions=positions, out_slots=out_slots,
+                      extend_lens=lens.tolist() + [1] * len(others),
                       seq_lens=self.row_len[rows].tolist())
-        if msg.is_prefill and (len(msg.context_rows) or len(msg.draft_rows)):
-            # The prompt tokens' logits of context rows, then those of verify rows' tokens
-            # before their last one (the last one's are the step's logits row).
-            lens = np.asarray(msg.extend_lens, dtype=np.int64)
+        if len(msg.context_rows):  # their prompt tokens' logits too
+            picked = np.asarray(msg.context_rows, dtype=np.int64)
             offsets = np.cumsum(lens) - lens
-            context = np.asarray(msg.context_rows, dtype=np.int64)
-            verify = np.asarray(msg.draft_rows, dtype=np.int64)
-            batch.logit_tokens = host_to_device(np.concatenate([
-                ranges(offsets[context], lens[context]),
-                ranges(offsets[verify], lens[verify] - 1)]), dev)
-        return batch
+            batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
+        return batch, rows
 
     def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor,
                           host_positions: np.ndarray) -> SamplingTensors:
-        """The slots' sampling parameters on the device. `positions` (device) and
-        `host_positions` are those of the tokens being sampled."""
+        """The samples' parameters on the device. `positions` (device) and `host_positions`
+        are those of the tokens being sampled."""
         dev = self.device
         p = self.row_params
         uniform = seeded_uniform_host(p["seed"][rows], host_positions)

@@ -71,17 +71,21 @@ class StepMessage:
     """One forward step, the same typed object on both ends (`to_bytes` / `from_bytes`).
     Arrays are per request in batch order unless noted; empty ones are not sent.
 
-    A prefill step may end with decode rows ("mixed" steps): `rows` beyond the first
-    `len(starts)` each compute one token, the one the engine sampled last for that row (taken
-    from its token pool, like a decode step's)."""
+    The first `len(starts)` rows send their tokens (`extend_lens` from `starts`); the others
+    each compute one token, the one the engine sampled last for that row (from its token pool).
+    In a prefill step the first rows are prompt chunks (and decode rows may follow: "mixed"
+    steps); each row samples one token. A decode step has such rows only with speculative
+    decoding: a row's last sampled token followed by its drafts (or alone, after rejected
+    drafts moved the row's length back), and each of its tokens samples one (a "sample" each:
+    the reply's tokens, log-probability and logits rows, and the guided rows, are per sample,
+    in batch order)."""
 
     is_prefill: bool
     rows: Values = _array("int32")
-    # Prefill only, for its prefill rows: first position computed this step and number of
-    # tokens computed.
+    # For the first rows (see above): first position computed this step, tokens computed.
     starts: Values = _array("int32")
     extend_lens: Values = _array("int32")
-    tokens: Values = _array("int32")  # prefill: the prompt tokens computed
+    tokens: Values = _array("int32")  # the tokens those rows compute
     # Pages appended to rows, only for rows that get any: row, count, and the flat page ids.
     page_rows: Values = _array("int32")
     page_counts: Values = _array("int32")
@@ -111,13 +115,6 @@ class StepMessage:
     min_stop_ids: Values = _array("int32")
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
-    # Speculative verify rows (batch indices of prefill rows): each computes its last sampled
-    # token and `draft_counts` draft tokens after it, and samples a token at every one of
-    # those positions (a "slot" each). A step's samples (the reply's tokens, log-probability
-    # and logits rows, the guided rows) are then per slot: a verify row's slots in position
-    # order, in place of its one sample. Without verify rows slots are the batch rows.
-    draft_rows: Values = _array("int32")
-    draft_counts: Values = _array("int32")
     # Structured output: the rows (batch indices) whose next token a grammar constrains, and
     # their token masks, row-major ([rows, ceil(vocab / 32)] int32, bit set: allowed).
     guide_rows: Values = _array("int32")
@@ -168,10 +165,10 @@ _ADMIT_PREFIX = "admit_"
 
 @dataclass
 class StepReply:
-    """What rank 0 answers a step with: the sampled token per slot (batch order; see
-    `StepMessage.draft_rows`), and for the slots that asked for log-probabilities (`lp_rows`:
-    their slot indices) the sampled token's log-probability and the `top` most likely tokens
-    with theirs (row-major)."""
+    """What rank 0 answers a step with: the sampled token per sample (batch order; see
+    `StepMessage`), and for the samples that asked for log-probabilities (`lp_rows`: their
+    indices) the sampled token's log-probability and the `top` most likely tokens with theirs
+    (row-major)."""
 
     tokens: np.ndarray  # int32 [bs]
     lp_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))

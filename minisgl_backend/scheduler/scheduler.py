@@ -37,7 +37,6 @@ from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, mask_words
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
-from minisgl_backend.speculative import SpeculativeConfig
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
@@ -45,6 +44,7 @@ from minisgl_backend.scheduler.output import OutputCallback, OutputTracker, Requ
 from minisgl_backend.scheduler.prefill import PrefillManager
 from minisgl_backend.scheduler.speculation import Speculator
 from minisgl_backend.scheduler.table import RowAllocator
+from minisgl_backend.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
 
 
 def _slots_of(batch: list[Req], rows: list[int]) -> list[int]:
-    """The slots (see `StepMessage.draft_rows`) of batch rows `rows`: a row's last sampled
+    """The samples (see `StepMessage`) of batch rows `rows`: a row's last sampled
     token and each of its drafts sample one."""
     starts = np.cumsum([0] + [1 + len(req.drafts) for req in batch])
     return [int(s) for i in rows for s in range(starts[i], starts[i + 1])]
@@ -157,7 +157,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
                                       config.engine.max_running_requests)
         self.decode = DecodeManager()
-        self.speculator = Speculator(config.speculative, config.jump_forward)
+        self.speculator = Speculator(config.speculative, config.jump_forward,
+                                     config.engine.samples_per_row - 1)
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
@@ -412,15 +413,15 @@ class Scheduler:
                     len(decode), bool(self.guided_uids)):
                 self.speculator.draft(decode, {r.uid for r in decode
                                                if r.sampling_params.uses_penalties})
-        # Rows that send their start (prompt chunks; verify rows; rows after rejected drafts)
+        # Rows that send their tokens (prompt chunks; verify rows; rows after rejected drafts)
         # come first, then those that decode from the engine's own row length.
         explicit = [r for r in decode if r.drafts or r.explicit]
+        is_prefill = bool(batch)
         batch = batch + explicit + [r for r in decode if not (r.drafts or r.explicit)]
-        num_prefill = len(batch) - len(decode) + len(explicit)
-        is_prefill = num_prefill > 0
+        num_given = len(batch) - len(decode) + len(explicit)
         rows_in_use = self.rows.num_rows - self.rows.num_free
         self.peak_running = max(self.peak_running, rows_in_use)
-        message = self._step_message(batch, admitted, is_prefill, num_prefill)
+        message = self._step_message(batch, admitted, is_prefill, num_given)
         self.engine.send(message.to_bytes())
         self.num_steps += 1
         return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch],
@@ -453,9 +454,9 @@ class Scheduler:
         return running
 
     def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool,
-                      num_prefill: int) -> StepMessage:
-        """The step's message; in a prefill step the first `num_prefill` requests compute
-        prompt tokens and the others (mixed steps) decode one token."""
+                      num_given: int) -> StepMessage:
+        """The step's message; the first `num_given` requests send the tokens they compute
+        (prompt chunks, or a last token and its drafts), the others decode one token."""
         msg = StepMessage(is_prefill=is_prefill, rows=[r.table_idx for r in batch])
         for i, req in enumerate(batch):
             self.cache.grow(req)
@@ -464,12 +465,9 @@ class Scheduler:
                 msg.page_counts.append(len(req.pages) - req.pages_sent)
                 msg.new_pages.extend(req.pages[req.pages_sent :])
                 req.pages_sent = len(req.pages)
-            if is_prefill and i < num_prefill:
+            if i < num_given:
                 if req.cached_len < req.prompt_len and wants_context_logits(req):
                     msg.context_rows.append(i)
-                if req.drafts:
-                    msg.draft_rows.append(i)
-                    msg.draft_counts.append(len(req.drafts))
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
                 msg.tokens.extend(req.step_tokens)

@@ -24,9 +24,11 @@ MIN_DRAFTS_JUDGED = 32  # drafts a request is given before its acceptance rate i
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, jump_forward: bool) -> None:
+    def __init__(self, config: SpeculativeConfig, jump_forward: bool, max_drafts: int) -> None:
+        """`max_drafts`: what the engine was sized for (`EngineConfig.samples_per_row` - 1)."""
         self.config = config
-        self.jump_forward = jump_forward
+        self.jump_forward = jump_forward and max_drafts > 0
+        self.max_drafts = min(max_drafts, config.num_speculative_tokens)
         self.proposer = create_proposer(config)
         synthetic = config.speculative_synthetic_acceptance
         self._synthetic = None if synthetic is None else (synthetic, random.Random(0))
@@ -38,7 +40,7 @@ class Speculator:
         """Whether a decode step of `running` rows may verify drafts (its tokens are then
         needed before the step is built: no overlap)."""
         return ((self.proposer is not None or (self.jump_forward and guided))
-                and running <= self.config.speculative_max_batch_size)
+                and self.max_drafts > 0 and running <= self.config.speculative_max_batch_size)
 
     def draft(self, batch: list[Req], no_drafts: set[int]) -> None:
         """Give each row of a decode batch its drafts (`Req.drafts`; rows in `no_drafts`,
@@ -49,8 +51,7 @@ class Speculator:
 
     def _drafts(self, req: Req) -> list[int]:
         # The row's tokens after the drafts stay within max_tokens (what admission reserved).
-        limit = min(self.config.num_speculative_tokens,
-                    req.sampling_params.max_tokens - len(req.output_ids) - 1)
+        limit = min(self.max_drafts, req.sampling_params.max_tokens - len(req.output_ids) - 1)
         if limit <= 0:
             return []
         drafts: list[int] = []
