@@ -335,6 +335,21 @@ def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
     assert "penalties 760,320 B/row = 194.6 MB" in run.stdout
 
 
+def test_bench_speculative_cpu_prints_both_workloads_and_every_config() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_speculative_cpu.py"), "--batch-sizes", "1",
+         "--max-tokens", "12", "--repeats", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    header, rows = last_table(run.stdout)
+    assert header == ["workload", "batch", "config", "tokens", "decode tok/s", "vs off",
+                      "acceptance"]
+    assert [(r[0], r[2]) for r in rows] == [(w, c) for w in ("repetitive", "chat")
+                                            for c in ("off", "ngram", "suffix")]
+    assert len({r[3] for r in rows if r[0] == "repetitive"}) == 1  # the same tokens
+    assert rows[1][6] != "-" and number(rows[1][6]) > 0  # ngram kept drafts on repetitions
+
+
 def test_bench_structured_output_prints_guided_next_to_unguided() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_structured_output.py"), "--batch-sizes", "1", "2",

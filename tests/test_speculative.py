@@ -8,6 +8,7 @@ hits, scarce KV and tensor parallel 2, next to requests that use the other contr
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, speculative_config
 from minisgl_backend.speculative.ngram import NgramIndex
 from minisgl_backend.speculative.suffix import SuffixProposer
+from minisgl_backend.testing.tiny_models import TINY_ARCHITECTURES, build_tiny_model
+from minisgl_backend.tokenizer import encode_chat
+from tests.conftest import hf_greedy, mixed_prompts
 
 KV_TOKENS = 2048
 
@@ -81,6 +85,70 @@ def test_speculative_outputs_equal_the_non_speculative_ones(tiny_models: dict[st
     assert steps > 0 and 0 < accepted < drafted  # drafts were kept and rejected
 
 
+SPEC_ARCHS = [*TINY_ARCHITECTURES, "mistral", "mixtral", "phi3", "gemma3"]  # one per architecture
+
+
+@pytest.mark.parametrize("arch", SPEC_ARCHS)
+def test_greedy_ngram_equals_hf_on_every_architecture(tmp_path: Path, arch: str) -> None:
+    """Prompts that repeat themselves (drafts to keep), with page accounting after every
+    step; `suffix` on the same engine settings for the fixture's architectures."""
+    model = build_tiny_model(arch, tmp_path / arch)
+    prompts = [p + p[:12] + p[:12] for p in mixed_prompts(6, vocab=200)]
+    want = hf_greedy(model, prompts, 16)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    with LLM(model, device="cpu", max_total_tokens=KV_TOKENS, debug_checks=True,
+             speculative="ngram", speculative_ngram_min=1, page_size=16) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.scheduler.speculator.drafted > 0
+
+
+def _smol_requests(tokenizer: object) -> tuple[list[list[int]], list[SamplingParams]]:
+    """16 chat requests, half asking to repeat a passage (drafts are kept), half free-form;
+    some end at stop strings."""
+    passage = ("The meeting moved to Thursday at 3 pm in room 204. Bring the report and the "
+               "budget draft, and send your slides to Maria before noon.")
+    chats = ["Why is the sky blue?", "Name three fruits.", "Say hello.", "What is 2 + 2?"]
+    texts = [f"Repeat this text exactly:\n\n{passage}" if i % 2 == 0 else chats[i // 2 % 4]
+             for i in range(16)]
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    params = [SamplingParams(max_tokens=40, stop=["Maria"] if i % 4 == 2 else None)
+              for i in range(16)]
+    return prompts, params
+
+
+def test_default_model_16_prompts_equal_without_speculation(default_model: Path) -> None:
+    results = {}
+    for name, settings in (("off", {}), ("ngram", {"speculative": "ngram"}),
+                           ("suffix", {"speculative": "suffix"})):
+        with LLM(default_model, device="cpu", max_total_tokens=4096, debug_checks=True,
+                 **settings) as llm:
+            outs = llm.generate(*_smol_requests(llm.tokenizer))
+            results[name] = [(o.token_ids, o.text, o.finish_reason) for o in outs]
+            if name != "off":
+                assert llm.scheduler.speculator.accepted > 0
+    assert results["ngram"] == results["off"] and results["suffix"] == results["off"]
+    assert any(reason == "stop" for _, _, reason in results["off"])
+
+
+def test_sampled_tokens_keep_the_target_distribution(tiny_models: dict[str, Path]) -> None:
+    """Token frequencies at every position over 256 seeded samples, speculation off and on:
+    each verified position samples with its own seed from the target's distribution, so
+    the frequencies agree exactly (and drafts were kept and rejected on the way)."""
+    prompt = [5, 6, 7, 8, 9] * 4
+    params = [SamplingParams(max_tokens=8, temperature=0.7, top_k=4, ignore_eos=True, seed=i)
+              for i in range(256)]
+    counts, stats = [], None
+    for settings in ({}, {"speculative": "ngram", "speculative_max_batch_size": 256}):
+        with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+                 **settings) as llm:
+            outs = llm.generate([prompt] * 256, params)
+            spec = llm.scheduler.speculator
+            stats = (spec.drafted, spec.accepted)
+        counts.append([Counter(o.token_ids[pos] for o in outs) for pos in range(8)])
+    assert counts[0] == counts[1]
+    assert 0 < stats[1] < stats[0]
+
+
 def test_a_stop_token_inside_kept_drafts_ends_the_request_there(tiny_models: dict[str, Path],
                                                                 baseline: list) -> None:
     tokens = baseline[0].token_ids
@@ -118,6 +186,9 @@ def test_ngram_index_proposes_what_followed_the_longest_match() -> None:
     index.extend(tokens)
     assert index.continuation(tokens, 4) == [7, 2, 3, 5]  # "2 3 5" -> "7 2 3 5"
     assert index.continuation([8, 8, 6], 3) == []
+    short = NgramIndex(max_n=3, min_n=2)
+    short.extend([1, 2, 9, 2])
+    assert short.continuation([1, 2, 9, 2], 1) == []  # only "2" recurs: too short
 
 
 def test_suffix_history_is_bounded_and_forgets_completely() -> None:

@@ -375,8 +375,8 @@ class Scheduler:
         tracker.fail("abort", "the request was cancelled")
 
     def _step(self) -> None:
-        if self.in_flight is not None and self.speculator.may_draft(len(self.decode.running),
-                                                                    bool(self.guided_uids)):
+        if self.in_flight is not None and self.speculator.may_draft(
+                len(self.decode.running), bool(self.guided_uids), self.num_steps):
             self.engine.flush()  # drafts follow from the tokens of the step in flight
             self._read_tokens(self.in_flight)
             self.in_flight = None
@@ -400,6 +400,8 @@ class Scheduler:
         """Schedule, send and account one step (its computed tokens become cached)."""
         batch, admitted = self.prefill.schedule(list(self.decode.running.values()))
         now = time.time_ns()
+        if admitted:
+            self.speculator.new_requests()
         for req in admitted:
             req.admitted_step, req.admitted_ns = self.num_steps, now
             if req.guide is not None:
@@ -410,9 +412,10 @@ class Scheduler:
             if not batch and not decode:
                 return None  # overlap: every running request may be done; else cannot happen
             if not batch and self.in_flight is None and self.speculator.may_draft(
-                    len(decode), bool(self.guided_uids)):
+                    len(decode), bool(self.guided_uids), self.num_steps):
                 self.speculator.draft(decode, {r.uid for r in decode
-                                               if r.sampling_params.uses_penalties})
+                                               if r.sampling_params.uses_penalties},
+                                      self.num_steps)
         # Rows that send their tokens (prompt chunks; verify rows; rows after rejected drafts)
         # come first, then those that decode from the engine's own row length.
         explicit = [r for r in decode if r.drafts or r.explicit]

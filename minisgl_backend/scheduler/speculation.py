@@ -10,7 +10,8 @@ the row's new length: never cached, overwritten by the next tokens.
 Drafts come from the proposer (`speculative`), and for guided rows from the grammar when it
 forces a continuation (jump-forward, `jump_forward`), cut at the first token the grammar
 rejects. Steps with more rows than `speculative_max_batch_size` do not speculate; a request
-whose drafts are rarely kept stops getting drafts.
+whose drafts are rarely kept stops getting drafts; after a step in which no row had a draft,
+the next tries wait a few steps (doubling), running with overlap meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import random
 from minisgl_backend.core import Req
 from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, create_proposer
 
-MIN_DRAFTS_JUDGED = 32  # drafts a request is given before its acceptance rate is judged
+MIN_DRAFTS_JUDGED = 16  # drafts a request is given before its acceptance rate is judged
+MAX_BACKOFF = 64  # decode steps at most between two tries when nothing could be drafted
 
 
 class Speculator:
@@ -32,22 +34,36 @@ class Speculator:
         self.proposer = create_proposer(config)
         synthetic = config.speculative_synthetic_acceptance
         self._synthetic = None if synthetic is None else (synthetic, random.Random(0))
+        # Steps whose rows got no drafts back off (doubling, up to MAX_BACKOFF steps) before
+        # drafting is tried again, so that a batch with nothing to draft keeps overlap.
+        self._misses = 0
+        self._resume_step = 0
         self.verified_rows = 0  # rows that verified drafts, summed over steps
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of those, kept
 
-    def may_draft(self, running: int, guided: bool) -> bool:
-        """Whether a decode step of `running` rows may verify drafts (its tokens are then
-        needed before the step is built: no overlap)."""
+    def may_draft(self, running: int, guided: bool, step: int) -> bool:
+        """Whether decode step number `step`, of `running` rows, may verify drafts (the
+        tokens of the step before are then needed before it is built: no overlap)."""
         return ((self.proposer is not None or (self.jump_forward and guided))
-                and self.max_drafts > 0 and running <= self.config.speculative_max_batch_size)
+                and self.max_drafts > 0 and running <= self.config.speculative_max_batch_size
+                and step >= self._resume_step)
 
-    def draft(self, batch: list[Req], no_drafts: set[int]) -> None:
-        """Give each row of a decode batch its drafts (`Req.drafts`; rows in `no_drafts`,
+    def draft(self, batch: list[Req], no_drafts: set[int], step: int) -> None:
+        """Give each row of decode step `step` its drafts (`Req.drafts`; rows in `no_drafts`,
         uids, get none) and extend its `device_len` by them."""
         for req in batch:
             req.drafts = [] if req.uid in no_drafts else self._drafts(req)
             req.device_len += len(req.drafts)
+        if any(req.drafts for req in batch):
+            self._misses = 0
+        else:
+            self._misses += 1
+            self._resume_step = step + min(1 << self._misses, MAX_BACKOFF)
+
+    def new_requests(self) -> None:
+        """Requests were admitted: drafting is worth trying again at once."""
+        self._misses = self._resume_step = 0
 
     def _drafts(self, req: Req) -> list[int]:
         # The row's tokens after the drafts stay within max_tokens (what admission reserved).

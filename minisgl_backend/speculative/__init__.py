@@ -31,7 +31,7 @@ def create_proposer(config: SpeculativeConfig) -> Proposer | None:
     if config.speculative == "ngram":
         from minisgl_backend.speculative.ngram import NgramProposer
 
-        return NgramProposer(config.speculative_ngram_max)
+        return NgramProposer(config.speculative_ngram_max, config.speculative_ngram_min)
     if config.speculative == "suffix":
         from minisgl_backend.speculative.suffix import SuffixProposer
 

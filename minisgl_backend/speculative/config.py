@@ -32,10 +32,13 @@ class SpeculativeConfig:
         32, "int", "decode steps with more rows than this do not speculate (large batches "
         "have no compute to spare)", low=1)
     speculative_min_acceptance: float = spec_field(
-        0.1, "float", "a request whose drafts were accepted at less than this rate (after 32 "
+        0.3, "float", "a request whose drafts were accepted at less than this rate (after 16 "
         "drafts) stops speculating", low=0.0, high=1.0)
     speculative_ngram_max: int = spec_field(
         4, "int", "`ngram`: longest suffix of the request's tokens matched", low=1, high=32)
+    speculative_ngram_min: int = spec_field(
+        2, "int", "`ngram`: shortest suffix matched (single tokens recur too often to predict "
+        "much)", low=1, high="speculative_ngram_max")
     speculative_suffix_tokens: int = spec_field(
         1 << 16, "int", "`suffix`: tokens of ended requests kept to draft from (memory: at "
         "most about 1.2 KB per token)", low=0)
