@@ -10,8 +10,8 @@ the row's new length: never cached, overwritten by the next tokens.
 Drafts come from the proposer (`speculative`), and for guided rows from the grammar when it
 forces a continuation (jump-forward, `jump_forward`), cut at the first token the grammar
 rejects. Steps with more rows than `speculative_max_batch_size` do not speculate; a request
-whose drafts are rarely kept stops getting drafts; after a step in which no row had a draft,
-the next tries wait a few steps (doubling), running with overlap meanwhile.
+whose drafts are rarely kept stops getting drafts; after a step in which no row had a draft
+(and no row is guided), the next tries wait a few steps (doubling), with overlap meanwhile.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class Speculator:
         for req in batch:
             req.drafts = [] if req.uid in no_drafts else self._drafts(req)
             req.device_len += len(req.drafts)
-        if any(req.drafts for req in batch):
+        # Guided rows keep trying: their grammar forces tokens now and then (jump-forward).
+        if any(req.drafts for req in batch) or (
+                self.jump_forward and any(req.guide is not None for req in batch)):
             self._misses = 0
         else:
             self._misses += 1
