@@ -67,14 +67,17 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
     """Run steps in message order. Without overlap each STEP is answered with its own tokens.
     With overlap a STEP is launched first and then answered with the previous step's tokens,
     so the device computes step N while the scheduler handles step N-1's tokens (on CPU, where
-    a step has run when `launch` returns, step N-1 is answered before step N runs instead).
+    a step has run when `Engine.finish` returns, step N-1 is answered before step N runs).
     A STEP with `masks_follow` runs its forward, answers the step before (its tokens are what
     the scheduler needs for the masks), then waits for the MASKS message to sample."""
     pending: StepHandle | None = None
 
     def answer(handle: StepHandle | None) -> None:
-        if handle is not None and reply:
-            conn.send_bytes(handle.wait().to_bytes())
+        if handle is None:
+            return
+        step_reply = handle.wait()  # every rank waits, so none runs ahead of its steps
+        if reply:
+            conn.send_bytes(step_reply.to_bytes())
 
     while True:
         asked = time.perf_counter()

@@ -488,8 +488,7 @@ class Scheduler:
     @staticmethod
     def _guided_rows(batch: list[Req]) -> list[int]:
         """Batch indices of the guided rows that sample a token this step."""
-        return [i for i, req in enumerate(batch)
-                if req.guide is not None and req.device_len >= req.prompt_len]
+        return [i for i, req in enumerate(batch) if req.guide is not None and req.prompt_done]
 
     def _token_masks(self, batch: list[Req], guided: list[int]) -> np.ndarray:
         """The grammar masks of the slots of the guided rows `guided` (batch indices),
