@@ -7,16 +7,31 @@
 #   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
-# skipped and say so), STEPS (which steps, default all: tests offline decode controls new spec
-# kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling FlashInfer. flashinfer must be importable; the `triton` step (and
-# `mixed`'s server run) needs tritonserver and perf_analyzer on PATH (TRITON_BACKEND_DIR for a
-# wheel install); `tp` needs two GPUs.
+# skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new fi
+# overheads spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
+# FlashInfer, SAVE_KERNELS=1 to write the compiled kernels to OUT_DIR/kernel-cache.tar.xz.
+# flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
+# and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
+#
+# On a host without a package registry, what is missing travels in .carry/ (git-ignored):
+# site.tar.xz, wheels unpacked (flashinfer, xgrammar, nvidia-pytriton, tritonclient, ...), goes
+# on PYTHONPATH, and the server is prepared from it (scripts/install_triton.py --no-install);
+# kernel-cache.tar.xz, a SAVE_KERNELS=1 run's compiled kernels, saves compiling them again.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-h200-logs}; mkdir -p "$OUT"
+OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode controls new spec kernels mechanisms profile triton mixed tp}
+STEPS=${STEPS:-tests offline decode decode1 controls new fi overheads spec kernels mechanisms profile triton mixed tp}
+if [ -f .carry/site.tar.xz ]; then
+  mkdir -p /tmp/site && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -f .carry/kernel-cache.tar.xz ] && tar -I "xz -T0" -xf .carry/kernel-cache.tar.xz -C "$HOME"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+if ! command -v tritonserver > /dev/null && python3 -c "import pytriton" 2> /dev/null; then
+  python3 scripts/install_triton.py --no-install --prefix /tmp/triton > "$OUT/install_triton.log" \
+    2>&1 && . /tmp/triton/env.sh
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 T0=$SECONDS
@@ -70,6 +85,14 @@ if wants decode; then
   TAIL=3 step 120 decode-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
 fi
+if wants decode1; then  # issue 4's batch-1 targets alone: 8B vs its roofline, 0.6B, graphs vs eager
+  TAIL=4 step 180 decode1-llama-3.1-8b python3 scripts/bench_decode.py --shape llama-3.1-8b \
+    --batch-sizes 1 --new-tokens 256 --skip-hf
+  TAIL=3 step 120 decode1-qwen3-0.6b-graphs python3 scripts/bench_decode.py \
+    --shape qwen3-0.6b --batch-sizes 1 --new-tokens 256 --skip-hf
+  TAIL=3 step 120 decode1-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
+    --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
+fi
 if wants controls; then  # per-request sampling controls: GPU tests, then decode with and without
   step 600 tests-controls python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_sampling_controls.py
@@ -81,6 +104,20 @@ if wants new; then  # issues 16-18 on the GPU: speculative verify steps, windows
     tests/test_sliding_window_gpu.py tests/test_gpu_sampling_controls.py
   step 300 tests-engine python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
+fi
+if wants fi; then  # the FlashInfer cases of issues 17-18's GPU tests (verify steps, windows)
+  step 300 tests-flashinfer-new python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_speculative.py tests/test_sliding_window_gpu.py -k flashinfer
+fi
+if wants overheads; then  # every sampling control, and a JSON-schema mix, against none
+  for shape in qwen3-0.6b llama-3.1-8b; do
+    TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
+      --device cuda --shape "$shape" --batch-sizes 1 64 256
+    # Qwen3's vocabulary with Llama 3's tokens (no Qwen tokenizer travels); two engines.
+    TAIL=12 step 300 "overhead-json-$shape" python3 scripts/bench_structured_output.py \
+      --device cuda --shape "$shape" --tokenizer llama-3 --batch-sizes 1 64 256 \
+      --max-total-tokens 65536 --repeats 2
+  done
 fi
 if wants spec; then  # speculative decoding against the bandwidth roofline, synthetic acceptance
   TAIL=12 step 420 spec-llama-3.1-8b python3 scripts/bench_speculative.py \
@@ -117,5 +154,9 @@ if wants tp && [ "$GPUS" -ge 2 ]; then
     --shape llama-3.1-8b --page-size 64 --tp-size 2
   TAIL=3 step 180 decode-llama-3.1-8b-tp2 python3 scripts/bench_decode.py --shape llama-3.1-8b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --tp-size 2
+fi
+if [ "${SAVE_KERNELS:-0}" = 1 ]; then
+  (cd "$HOME" && tar -I "xz -T0 -3" -cf "$OUT/kernel-cache.tar.xz" \
+    $(ls -d .cache/flashinfer .triton/cache 2> /dev/null)) && ls -l "$OUT/kernel-cache.tar.xz"
 fi
 echo "== done at $((SECONDS - T0)) s; logs in $OUT"

@@ -17,6 +17,14 @@ compile time, first and cached (xgrammar's compiler cache).
 
     python scripts/bench_structured_output.py                       # CPU, the default model
     python scripts/bench_structured_output.py --batch-sizes 1 16 --max-tokens 64 --repeats 3
+    python scripts/bench_structured_output.py --device cuda --shape llama-3.1-8b \
+        --batch-sizes 1 64 256                          # GPU: a shape, random weights
+    python scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b \
+        --tokenizer llama-3 --batch-sizes 1 64 256      # its vocabulary, Llama 3's tokens
+
+A shape's folder holds its benchmark tokenizer (`--tokenizer` picks another, when the shape's
+own cannot spell JSON): a grammar needs one. With random weights the schema, not the model,
+decides every token's structure; the masks, their application and jump-forward cost the same.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from minisgl_backend import LLM, SamplingParams
-from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.benchmark.cli import add_llm_args, llm_kwargs, markdown_table, model_folder
+from minisgl_backend.benchmark.shapes import SHAPES
+from minisgl_backend.benchmark.tokenizer import TOKENIZERS_DIR, WORD_LEVEL, tokenizer_name
 from minisgl_backend.tokenizer import encode_chat
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
@@ -59,11 +70,24 @@ QUESTIONS = ["List some people as JSON.", "Who lives in Paris?", "Name a few fri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(build_script().DEFAULT_MODEL_DIR))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="instead of --model: a model shape with random weights and its "
+                   "benchmark tokenizer")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="with --shape: override its number of layers")
+    p.add_argument("--tokenizer", default=None,
+                   choices=sorted(d.name for d in TOKENIZERS_DIR.iterdir() if d.is_dir()),
+                   help="with --shape: this committed tokenizer instead of the shape's")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    return p.parse_args(argv)
+    add_llm_args(p)
+    args = p.parse_args(argv)
+    if args.shape is not None and (args.tokenizer or tokenizer_name(args.shape)) == WORD_LEVEL:
+        p.error(f"shape {args.shape}'s word-level tokenizer cannot spell JSON: give --tokenizer")
+    return args
 
 
 def compile_times(llm: LLM) -> list[str]:
@@ -85,15 +109,23 @@ def params(config: str, max_tokens: int, min_items: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **guide)
 
 
-def run(args: argparse.Namespace) -> None:
-    model = ensure_model(args.model)
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    """The chat prompt of `question`, or its plain tokens where the tokenizer has no chat
+    template (a shape's benchmark tokenizer)."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, [{"role": "user", "content": question}])
+    return tokenizer.encode(question)
+
+
+def run(args: argparse.Namespace, model: Path) -> None:
     configs = ("unguided", "json_schema", "json_schema+jump")
-    with LLM(model, device=args.device, jump_forward=False) as llm, \
-            LLM(model, device=args.device, jump_forward=True) as jumping:
+    load_format = "dummy" if args.shape is not None else "auto"
+    kwargs = llm_kwargs(args, load_format=load_format)
+    with LLM(str(model), jump_forward=False, **kwargs) as llm, \
+            LLM(str(model), jump_forward=True, **kwargs) as jumping:
         engines = {"unguided": llm, "json_schema": llm, "json_schema+jump": jumping}
         print("\n".join(compile_times(llm)), flush=True)
-        prompts = {bs: [encode_chat(llm.tokenizer, [{"role": "user",
-                                                     "content": QUESTIONS[i % len(QUESTIONS)]}])
+        prompts = {bs: [prompt_ids(llm.tokenizer, QUESTIONS[i % len(QUESTIONS)])
                         for i in range(bs)] for bs in args.batch_sizes}
         best: dict[tuple[int, str, int], tuple[float, int]] = {}
         for config in configs:  # warm-up
@@ -124,14 +156,20 @@ def run(args: argparse.Namespace) -> None:
             rows.append([str(bs), config, str(n_long), f"{rate:.1f}",
                          f"{1e3 * decode_s / steps:.2f}", f"{rate / base:.3f}x"])
     spec = jumping.scheduler.speculator
-    print(f"model {model.name}, device {args.device}, max_tokens {args.max_tokens}, best of "
+    name = f"shape {args.shape} (random weights)" if args.shape else model.name
+    print(f"model {name}, device {args.device}, max_tokens {args.max_tokens}, best of "
           f"{args.repeats}; jump-forward: {spec.accepted} of {spec.drafted} forced tokens kept "
           f"by {spec.verified_rows} verifying rows")
     print(markdown_table(HEADER, rows))
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.shape is not None:
+        with model_folder(args, tokenizer=True) as (folder, _):
+            run(args, folder)
+    else:
+        run(args, ensure_model(args.model))
 
 
 if __name__ == "__main__":

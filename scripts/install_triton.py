@@ -188,9 +188,10 @@ def apt_install(package: str) -> bool:
     return run_quiet(cmd) == 0
 
 
-def ensure_libb64(prefix: Path) -> Path | None:
+def ensure_libb64(prefix: Path, use_apt: bool = True) -> Path | None:
     """Make libb64.so.0d loadable for perf_analyzer; returns an extra lib dir, if one is needed."""
-    if ldconfig_has("libb64.so.0d") or (apt_install("libb64-0d") and ldconfig_has("libb64.so.0d")):
+    if ldconfig_has("libb64.so.0d") or (use_apt and apt_install("libb64-0d")
+                                        and ldconfig_has("libb64.so.0d")):
         return None
     libs = dist_path(PYTRITON[0], "nvidia_pytriton.libs")
     bundled = sorted(libs.glob("libb64-*.so.0d")) if libs else []
@@ -301,19 +302,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="redo everything, ignoring the marker")
     ap.add_argument("--use-wheel", action="store_true",
                     help="use the wheel's server even if a tritonserver is on PATH")
+    ap.add_argument("--no-install", action="store_true",
+                    help="install nothing (a host without a registry): prepare the server from "
+                    "what is importable, e.g. wheels unpacked on PYTHONPATH; the client's "
+                    "Python extras may be missing (perf_analyzer needs none of them)")
     return ap.parse_args(argv)
 
 
-def install(prefix: Path, use_wheel: bool) -> None:
+def install(prefix: Path, use_wheel: bool, no_install: bool = False) -> None:
     """Do the whole installation and write env.sh plus the marker."""
     external = None if use_wheel else find_external_tritonserver(prefix)
     if external:
         log(f"using the tritonserver already on PATH: {external}")
     reqs = missing_requirements(want_server=external is None)
-    if reqs:
+    if reqs and no_install:
+        warn("not installing (--no-install): " + " ".join(reqs))
+    elif reqs:
         pip_install(reqs)
     prefix.mkdir(parents=True, exist_ok=True)
-    b64_dir = ensure_libb64(prefix)
+    b64_dir = ensure_libb64(prefix, use_apt=not no_install)
     cudart = cudart_lib_dir()
     perf = perf_analyzer_path()
     if perf is None or cudart is None:
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(prefix / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another run may be installing right now
             if args.force or not marker_is_valid(prefix, args.use_wheel):
-                install(prefix, args.use_wheel)
+                install(prefix, args.use_wheel, args.no_install)
     print(prefix / "env.sh")
     return 0
 

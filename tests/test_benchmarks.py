@@ -213,6 +213,26 @@ def test_llama_3_tokenizer_folder_loads_with_transformers(tmp_path: Path) -> Non
         "Hello world, this is Llama 3!"
 
 
+def test_a_named_tokenizer_may_cover_part_of_a_padded_vocabulary(tmp_path: Path) -> None:
+    """Qwen3's 151,936 ids with Llama 3's 128,256 tokens (a real checkpoint pads its vocabulary
+    past its tokenizer's too); a word-level tokenizer must match the vocabulary exactly, and no
+    tokenizer may have more ids than the model."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer("qwen3-0.6b", SHAPES["qwen3-0.6b"]["vocab_size"], tmp_path, "llama-3")
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path))) == 128256
+    with pytest.raises(ValueError, match="has 128256 ids"):
+        shape_tokenizer("tiny-llama", SHAPES["tiny-llama"]["vocab_size"], "llama-3")
+    assert shape_tokenizer("tiny-llama", 600, "word-level").get_vocab_size() == 600
+
+
+def test_bench_structured_output_needs_a_tokenizer_that_spells_json() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_structured_output.py"), "--shape", "qwen3-0.6b"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 2 and "cannot spell JSON: give --tokenizer" in run.stdout
+
+
 def test_shared_prefix_workload() -> None:
     w = shared_prefix_workload(1000, num_requests=5, prefix_len=2000, suffix_len=8)
     assert len(w) == 5 and all(len(p) == 2008 for p in w.prompts)

@@ -72,12 +72,14 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 def model_folder(args: argparse.Namespace,
                  tokenizer: bool = False) -> Iterator[tuple[Path, dict[str, Any]]]:
     """A temporary folder holding the shape's config.json, and that config. With `tokenizer`,
-    the folder holds the shape's benchmark tokenizer too, so that `LLM` detokenizes outputs."""
+    the folder holds the shape's benchmark tokenizer too (or the one `args.tokenizer` names),
+    so that `LLM` detokenizes outputs."""
     config = shape_config(args.shape, args.num_layers)
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.shape}-") as tmp:
         folder = write_config(config, tmp)
         if tokenizer:
-            write_tokenizer(args.shape, config["vocab_size"], folder)
+            write_tokenizer(args.shape, config["vocab_size"], folder,
+                            getattr(args, "tokenizer", None))
         yield folder, config
 
 

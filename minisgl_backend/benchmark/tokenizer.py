@@ -53,24 +53,29 @@ def tokenizer_name(shape: str) -> str:
     return SHAPE_TOKENIZERS.get(shape, WORD_LEVEL)
 
 
-def shape_tokenizer(shape: str, vocab_size: int) -> Tokenizer:
-    """The benchmark tokenizer of shape `shape`; it has exactly `vocab_size` ids."""
-    name = tokenizer_name(shape)
+def shape_tokenizer(shape: str, vocab_size: int, name: str | None = None) -> Tokenizer:
+    """The benchmark tokenizer of shape `shape` (or the one named `name`). The word-level one
+    has exactly `vocab_size` ids; a committed one at most that many (a model's vocabulary may
+    be padded past its tokenizer's, as Qwen's is)."""
+    name = name or tokenizer_name(shape)
     tokenizer = (word_level_tokenizer(vocab_size) if name == WORD_LEVEL
                  else committed_tokenizer(name))
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size != vocab_size:
+    if size > vocab_size or (name == WORD_LEVEL and size != vocab_size):
         raise ValueError(f"tokenizer {name!r} has {size} ids, shape {shape!r} {vocab_size}")
     return tokenizer
 
 
-def write_tokenizer(shape: str, vocab_size: int, folder: str | Path) -> Path:
-    """Write shape `shape`'s tokenizer into model folder `folder` (tokenizer.json and a
-    tokenizer_config.json that `transformers.AutoTokenizer` loads); return the folder."""
+def write_tokenizer(shape: str, vocab_size: int, folder: str | Path,
+                    name: str | None = None) -> Path:
+    """Write shape `shape`'s tokenizer (or the one named `name`) into model folder `folder`
+    (tokenizer.json and a tokenizer_config.json that `transformers.AutoTokenizer` loads);
+    return the folder."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    shape_tokenizer(shape, vocab_size).save(str(out / "tokenizer.json"))
+    name = name or tokenizer_name(shape)
+    shape_tokenizer(shape, vocab_size, name).save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              **_CONFIGS.get(tokenizer_name(shape), {})}
+              **_CONFIGS.get(name, {})}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
