@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from minisgl_backend.testing.tiny_tokenizer import build_tiny_tokenizer
 from minisgl_backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from minisgl_backend.tokenizer.detokenizer import ids_decoder
 
 SMOLLM2_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 REPLACEMENT = "\ufffd"
@@ -158,6 +159,41 @@ def test_detokenizer_matches_decode_on_random_ids(tokenizer: Any, skip: bool) ->
     for _ in range(30):
         generated = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         _check_stream(tokenizer, prompt, generated, skip, rng)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_decoder_equals_decode(tokenizer: Any, skip: bool) -> None:
+    """The Rust tokenizer's decode, where the detokenizer uses it, gives decode's text."""
+    rng = random.Random(2)
+    decode = ids_decoder(tokenizer, skip)
+    specials = list(tokenizer.all_special_ids)
+    for _ in range(50):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 30))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_ids_decoder_keeps_decode_of_other_tokenizers(tiny_tokenizer: Any) -> None:
+    """A tokenizer that is not a plain fast one (its own decode, or spaces cleaned up after the
+    Rust tokenizer) is decoded by its decode."""
+    class Wrapped:
+        backend_tokenizer = tiny_tokenizer.backend_tokenizer
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"decoded {len(ids)}"
+
+    assert ids_decoder(Wrapped(), True)([1, 2]) == "decoded 2"
+    cleans = tiny_tokenizer.clean_up_tokenization_spaces
+    tiny_tokenizer.clean_up_tokenization_spaces = True
+    try:
+        calls = []
+        original = tiny_tokenizer.decode
+        tiny_tokenizer.decode = lambda ids, **kw: calls.append(ids) or original(ids, **kw)
+        ids_decoder(tiny_tokenizer, True)([5, 6])
+        assert calls == [[5, 6]]
+    finally:
+        tiny_tokenizer.clean_up_tokenization_spaces = cleans
+        del tiny_tokenizer.decode
 
 
 def test_detokenizer_holds_back_partial_characters(tokenizer: Any) -> None:

