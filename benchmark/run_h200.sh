@@ -7,9 +7,10 @@
 #   benchmark/run_h200.sh [OUT_DIR]     # logs in OUT_DIR (default: ./h200-logs)
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
-# skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new fi
-# overheads spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
-# FlashInfer, SAVE_KERNELS=1 to write the compiled kernels to OUT_DIR/kernel-cache.tar.xz.
+# skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new
+# overheads fi spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
+# FlashInfer, FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write
+# the compiled kernels to OUT_DIR/kernel-cache.tar.xz.
 # flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
 # and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 #
@@ -21,7 +22,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode decode1 controls new fi overheads spec kernels mechanisms profile triton mixed tp}
+STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed tp}
 if [ -f .carry/site.tar.xz ]; then
   mkdir -p /tmp/site && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -105,11 +106,9 @@ if wants new; then  # issues 16-18 on the GPU: speculative verify steps, windows
   step 300 tests-engine python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
 fi
-if wants fi; then  # the FlashInfer cases of issues 17-18's GPU tests (verify steps, windows)
-  step 300 tests-flashinfer-new python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gpu_speculative.py tests/test_sliding_window_gpu.py -k flashinfer
-fi
 if wants overheads; then  # every sampling control, and a JSON-schema mix, against none
+  step 300 tests-controls-kernels python3 -m pytest -q -p no:cacheprovider \
+    tests/test_logit_edits.py tests/test_penalties.py tests/test_gpu_sampling_controls.py
   for shape in qwen3-0.6b llama-3.1-8b; do
     TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
       --device cuda --shape "$shape" --batch-sizes 1 64 256
@@ -118,6 +117,10 @@ if wants overheads; then  # every sampling control, and a JSON-schema mix, again
       --device cuda --shape "$shape" --tokenizer llama-3 --batch-sizes 1 64 256 \
       --max-total-tokens 65536 --repeats 2
   done
+fi
+if wants fi; then  # the FlashInfer cases of issues 17-18's GPU tests (verify steps, windows)
+  step 300 tests-flashinfer-new python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_speculative.py tests/test_sliding_window_gpu.py -k "${FI_TESTS:-flashinfer}"
 fi
 if wants spec; then  # speculative decoding against the bandwidth roofline, synthetic acceptance
   TAIL=12 step 420 spec-llama-3.1-8b python3 scripts/bench_speculative.py \

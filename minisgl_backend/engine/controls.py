@@ -213,7 +213,7 @@ class LogitControls:
             return None
         sel = logits if len(wanted) == len(rows) else logits[
             self._upload("logprob rows", rows, lambda: wanted)]
-        return wanted, torch.log_softmax(sel.float(), dim=-1)
+        return wanted, torch.log_softmax(sel, dim=-1, dtype=torch.float32)
 
     def report(self, raw: tuple[np.ndarray, torch.Tensor], rows: np.ndarray,
                tokens: torch.Tensor) -> LogprobReport:
@@ -235,15 +235,34 @@ class LogitControls:
         penalized = self.penalized[rows]
         if penalized.any():
             self._penalize(logits, rows, penalized, seq_lens, next_positions)
-        if self.biased[rows].any():
-            assert self.bias_ids is not None and self.bias_values is not None
-            logits.scatter_add_(1, self.bias_ids[rows_t],
-                                self.bias_values[rows_t].to(logits.dtype))
-        if self.banned[rows].any():
-            self._ban(logits, rows_t, next_positions)
+        biased, banned = self.biased[rows], self.banned[rows]
+        kernels = use_triton_kernels(logits) and logits.stride(1) == 1
+        if kernels and (biased.any() or banned.any()):
+            self._sparse_edits(logits, rows, rows_t, next_positions, biased, banned)
+        else:
+            if biased.any():
+                assert self.bias_ids is not None and self.bias_values is not None
+                logits.scatter_add_(1, self.bias_ids[rows_t],
+                                    self.bias_values[rows_t].to(logits.dtype))
+            if banned.any():
+                self._ban(logits, rows_t, next_positions)
         min_p = self.min_p_rows[rows]
         if min_p.any():
-            self._min_p(logits, rows, min_p)
+            self._min_p(logits, rows, min_p, kernels)
+
+    def _sparse_edits(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
+                      next_positions: torch.Tensor, biased: np.ndarray,
+                      banned: np.ndarray) -> None:
+        """Bias and bans of the rows using either, in one kernel (`kernels/logit_edits.py`)."""
+        from kernels.logit_edits import apply_sparse_edits
+
+        edited = biased | banned
+        which_t = self._upload("edited rows", rows, lambda: np.nonzero(edited)[0])
+        table_t, next_t = ((rows_t, next_positions) if edited.all()
+                           else (rows_t[which_t], next_positions[which_t]))
+        bias = (self.bias_ids, self.bias_values) if biased.any() else None
+        apply_sparse_edits(logits, which_t, table_t, next_t, bias,
+                           self.ban_tokens if banned.any() else None, self.token_pool)
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
                   seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:
@@ -301,14 +320,21 @@ class LogitControls:
         penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
         logits.scatter_add_(1, last.clamp(min=0), penalty)
 
-    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray) -> None:
+    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray,
+               kernels: bool = False) -> None:
         """Drop tokens whose probability at the row's temperature is below min_p times the
         top one's: logit < max + temperature * log(min_p)."""
         which = np.nonzero(which_mask)[0]
         sel_rows = rows[which]
         p = self.params
         offset_t = self._upload("min_p", rows, lambda: p["temperature"][sel_rows] * np.log(
-            p["min_p"][sel_rows]), torch.float32).unsqueeze(1)
+            p["min_p"][sel_rows]), torch.float32)
+        if kernels:
+            from kernels.logit_edits import apply_min_p
+
+            apply_min_p(logits, self._upload("min_p rows", rows, lambda: which), offset_t)
+            return
+        offset_t = offset_t.unsqueeze(1)
         if len(which) == len(rows):
             floor = logits.amax(dim=-1, keepdim=True).float() + offset_t
             logits.masked_fill_(logits < floor, float("-inf"))
@@ -326,6 +352,9 @@ class LogitControls:
         if not counted.any():
             return
         assert self.counts is not None
+        if counted.all():
+            self.counts[rows_t, tokens.long()] += 1
+            return
         which = self._upload("counted rows", np.concatenate([rows, counted]),
                              lambda: np.nonzero(counted)[0])
         self.counts[rows_t[which], tokens[which].long()] += 1

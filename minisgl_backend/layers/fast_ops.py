@@ -49,9 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: (1 + weight) * x / rms(x), all in float32, cast once (HF's order)."""
+    """Gemma's RMSNorm: (1 + weight) * x / rms(x), all in float32, cast once (HF's order), for
+    x [tokens, size] or [tokens, heads, size] (FlashInfer's Gemma norm takes 2-D input only)."""
     if use_flashinfer(x):
-        return flashinfer_module().norm.gemma_rmsnorm(x.contiguous(), weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        return flashinfer_module().norm.gemma_rmsnorm(rows.contiguous(), weight, eps).view(
+            x.shape)
     return (_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
 
 

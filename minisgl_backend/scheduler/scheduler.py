@@ -34,7 +34,7 @@ from minisgl_backend.core import (
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_message
 from minisgl_backend.engine.sampler import seed_to_int64
-from minisgl_backend.grammar import GrammarCompilerCache, Guide, mask_words
+from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, mask_words
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -496,12 +496,19 @@ class Scheduler:
         token is dropped) allows every token."""
         masks = np.full((len(_slots_of(batch, guided)), mask_words(self.vocab_size)), -1,
                         dtype=np.int32)
+        plain: list[Guide] = []  # rows without drafts: one parallel fill
+        plain_slots: list[int] = []
         slot = 0
         for i in guided:
             req = batch[i]
             if req.uid in self.trackers and not req.guide.finished:
-                req.guide.fill_with_drafts(masks, slot, req.drafts)
+                if req.drafts:
+                    req.guide.fill_with_drafts(masks, slot, req.drafts)
+                else:
+                    plain.append(req.guide)
+                    plain_slots.append(slot)
             slot += 1 + len(req.drafts)
+        fill_masks(plain, masks, plain_slots)
         return masks
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
