@@ -218,6 +218,27 @@ def test_guided_mix_identical_under_engine_settings(tiny_models: dict[str, Path]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in mix_baseline]
 
 
+def test_overlapped_guided_steps_advance_grammars_before_the_rest_of_the_output(
+        tiny_models: dict[str, Path], mix_baseline: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlap and masks that follow their step, the scheduler moves the grammars on with
+    the step's tokens, sends the next masks, and only then detokenizes and emits: the same
+    tokens, and the early path really ran."""
+    from minisgl_backend.scheduler.output import OutputTracker
+
+    advanced = []
+    original = OutputTracker.advance_guide
+    monkeypatch.setattr(OutputTracker, "advance_guide",
+                        lambda self, token: advanced.append(token) or original(self, token))
+    with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+             jump_forward=False) as engine:
+        outputs = engine.generate(*_mix())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in mix_baseline]
+    per_output = [p for p in _mix()[1] for _ in range(p.n)]  # outputs: n per prompt
+    guided_tokens = sum(len(o.token_ids) for o, p in zip(outputs, per_output, strict=True)
+                        if p.json_schema or p.regex or p.grammar)
+    assert 0 < len(advanced) <= guided_tokens
+
+
 def test_guided_mix_equals_the_reference_and_prefix_hits(tiny: LLM, mix_baseline: list,
                                                          tiny_models: dict[str, Path]) -> None:
     prompts, cases = _mix()

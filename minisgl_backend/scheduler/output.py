@@ -86,6 +86,22 @@ class OutputTracker:
         self._logits: np.ndarray | None = None
         self._context: list[np.ndarray] = []  # prompt logits, chunk by chunk
         self._context_sent = False
+        self._guide_took: tuple[int, bool] | None = None  # (token, accepted) ahead of add_token
+
+    def advance_guide(self, token: int) -> None:
+        """Follow `token` with the request's grammar now, ahead of `add_token` (which then does
+        not again): the next step's token mask needs the grammar's new state, and everything
+        else `add_token` does can wait until that mask is sent."""
+        guide = self.req.guide
+        if guide is not None and token not in self.stop_ids:
+            self._guide_took = (token, guide.accept(token))
+
+    def _guide_accepts(self, token: int) -> bool:
+        took, self._guide_took = self._guide_took, None
+        if took is not None and took[0] == token:
+            return took[1]
+        assert self.req.guide is not None
+        return self.req.guide.accept(token)
 
     def add_context_logits(self, logits: np.ndarray) -> None:
         """The logits of the prompt tokens one prefill step computed (in order)."""
@@ -103,7 +119,7 @@ class OutputTracker:
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
             self._emit([token], self._flush(), "stop")
             return True
-        if req.guide is not None and not req.guide.accept(token):  # a masked token: a bug
+        if req.guide is not None and not self._guide_accepts(token):  # a masked token: a bug
             self._emit([token], self._flush(), "error",
                        error=f"token {token} is outside the request's grammar")
             return True

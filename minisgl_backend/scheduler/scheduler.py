@@ -387,7 +387,19 @@ class Scheduler:
         if self.in_flight is not None:
             if sent is None:
                 self.engine.flush()
-            self._read_tokens(self.in_flight)
+            if sent is not None and sent.masks_follow and not any(
+                    req.drafts for req in self.in_flight.batch):
+                # The masks wait on the engine: only the grammars follow the tokens first.
+                reply = self.engine.receive_step(self.config.step_timeout)
+                self._advance_guides(self.in_flight, reply)
+                self.engine.send(masks_message(self._token_masks(sent.batch,
+                                                                 sent.masks_follow)))
+                sent.masks_follow = []
+                self._process(self.in_flight, reply)
+                if self.config.debug_checks:
+                    self.cache.check_accounting(self._running())
+            else:
+                self._read_tokens(self.in_flight)
         if sent is not None and sent.masks_follow:
             self.engine.send(masks_message(self._token_masks(sent.batch, sent.masks_follow)))
         if sent is not None and sent.verifies:  # the next step's drafts need its tokens
@@ -537,6 +549,15 @@ class Scheduler:
             msg.min_lens.append(req.prompt_len + p.min_tokens)
             msg.min_stop_counts.append(len(stop_ids))
             msg.min_stop_ids.extend(stop_ids)
+
+    def _advance_guides(self, sent: _SentStep, reply: StepReply) -> None:
+        """The grammars of the guided rows of `sent` (a step without drafts: one token a row)
+        follow their sampled tokens, as `_process` would."""
+        sampled = reply.tokens
+        for i, (req, counts) in enumerate(zip(sent.batch, sent.counts)):
+            tracker = self.trackers.get(req.uid)
+            if req.guide is not None and counts and tracker is not None and req.table_idx >= 0:
+                tracker.advance_guide(int(sampled[i]))
 
     def _process(self, sent: _SentStep, reply: StepReply) -> None:
         logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}
