@@ -29,7 +29,9 @@ if [ -f .carry/site.tar.xz ]; then
 fi
 [ -f .carry/kernel-cache.tar.xz ] && tar -I "xz -T0" -xf .carry/kernel-cache.tar.xz -C "$HOME"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-if ! command -v tritonserver > /dev/null && python3 -c "import pytriton" 2> /dev/null; then
+# (find_spec, not an import: the pytriton package's own Python needs packages that do not travel)
+if ! command -v tritonserver > /dev/null && python3 -c \
+    "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytriton') is None)"; then
   python3 scripts/install_triton.py --no-install --prefix /tmp/triton > "$OUT/install_triton.log" \
     2>&1 && . /tmp/triton/env.sh
 fi
