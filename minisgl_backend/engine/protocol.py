@@ -145,9 +145,13 @@ class StepMessage:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StepMessage:
-        msg = cls(is_prefill=bool(arrays["is_prefill"][0]), masks_follow="masks_follow" in arrays)
-        for f in _ARRAY_FIELDS:
-            setattr(msg, f.name, arrays.get(f.name, np.zeros(0, dtype=f.metadata["dtype"])))
+        # Every field set here (a decode step's message is decoded each step: no default
+        # factories run); absent array fields share one read-only empty array each.
+        msg = cls.__new__(cls)
+        msg.is_prefill = bool(arrays["is_prefill"][0])
+        msg.masks_follow = "masks_follow" in arrays
+        for name, empty in _EMPTY_FIELDS.items():
+            setattr(msg, name, arrays.get(name, empty))
         msg.admit = {name: arrays[_ADMIT_PREFIX + name] for name in ROW_DTYPES
                      if _ADMIT_PREFIX + name in arrays}
         return msg
@@ -159,6 +163,12 @@ def masks_message(masks: np.ndarray) -> bytes:
 
 
 _ARRAY_FIELDS = [f for f in fields(StepMessage) if "dtype" in f.metadata]
+_EMPTY_FIELDS = {f.name: np.zeros(0, dtype=f.metadata["dtype"]) for f in _ARRAY_FIELDS}
+for _empty in _EMPTY_FIELDS.values():
+    _empty.flags.writeable = False
+# `from_arrays` sets these and the array fields, nothing else.
+assert {f.name for f in fields(StepMessage)} - set(_EMPTY_FIELDS) == {
+    "is_prefill", "masks_follow", "admit"}
 _ALWAYS_SENT = {"rows", "page_rows", "page_counts", "new_pages"}
 _ADMIT_PREFIX = "admit_"
 

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from minisgl_backend.device_copy import host_to_device
+
 
 def mask_words(vocab_size: int) -> int:
     """int32 words of one row's token mask."""
@@ -93,10 +95,12 @@ def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.nd
     import xgrammar as xgr
 
     words = mask_words(logits.shape[-1])
-    full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all allowed
-    full[batch_rows] = masks.reshape(len(batch_rows), words)
-    bitmask = torch.from_numpy(full)
-    if logits.device.type != "cpu":
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if len(batch_rows) == logits.shape[0] and (batch_rows == np.arange(len(batch_rows))).all():
+        full = masks.reshape(len(batch_rows), words)  # every row guided, in order
+    else:
+        full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all allowed
+        full[batch_rows] = masks.reshape(len(batch_rows), words)
+    # Through pinned memory: a copy from ordinary memory would wait for the forward to end.
+    bitmask = host_to_device(full, logits.device)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                     indices=[int(r) for r in batch_rows])
