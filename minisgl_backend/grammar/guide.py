@@ -3,6 +3,7 @@ vocabulary entry: may be sampled) and follows the tokens the request samples."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -69,24 +70,24 @@ class Guide:
         return bool(self.matcher.is_terminated())
 
 
-_batch_matcher: Any = None
+_per_thread = threading.local()  # one BatchGrammarMatcher per scheduler thread
 
 
 def fill_masks(guides: list[Guide], masks: np.ndarray, indices: list[int]) -> None:
     """Row `indices[i]` of `masks` for `guides[i]`, as `Guide.fill` does, the rows filled in
     parallel by xgrammar's threads (half the machine's cores): at 64 rows and more, one thread
     filling them in turn takes longer than the forward they overlap with."""
-    global _batch_matcher
     if len(guides) < 2:
         for guide, index in zip(guides, indices):
             guide.fill(masks, index)
         return
-    if _batch_matcher is None:
+    batch_matcher = getattr(_per_thread, "batch_matcher", None)
+    if batch_matcher is None:
         import xgrammar as xgr
 
-        _batch_matcher = xgr.BatchGrammarMatcher()
-    _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in guides], masks,
-                                                 indices=indices)
+        batch_matcher = _per_thread.batch_matcher = xgr.BatchGrammarMatcher()
+    batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in guides], masks,
+                                                indices=indices)
 
 
 def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.ndarray) -> None:

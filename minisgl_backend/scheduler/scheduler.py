@@ -395,9 +395,7 @@ class Scheduler:
                 self.engine.send(masks_message(self._token_masks(sent.batch,
                                                                  sent.masks_follow)))
                 sent.masks_follow = []
-                self._process(self.in_flight, reply)
-                if self.config.debug_checks:
-                    self.cache.check_accounting(self._running())
+                self._read_tokens(self.in_flight, reply)
             else:
                 self._read_tokens(self.in_flight)
         if sent is not None and sent.masks_follow:
@@ -443,10 +441,13 @@ class Scheduler:
                          self._guided_rows(batch) if message.masks_follow else [],
                          verifies=bool(explicit))
 
-    def _read_tokens(self, sent: _SentStep | None) -> None:
+    def _read_tokens(self, sent: _SentStep | None, reply: StepReply | None = None) -> None:
+        """Process the tokens of `sent` (`reply`, when already received)."""
         if sent is None:
             return
-        self._process(sent, self.engine.receive_step(self.config.step_timeout))
+        if reply is None:
+            reply = self.engine.receive_step(self.config.step_timeout)
+        self._process(sent, reply)
         if self.config.debug_checks:
             self.cache.check_accounting(self._running())
 
