@@ -13,15 +13,14 @@ import torch.nn.functional as F
 from kernels import is_interpreted
 from kernels.activation import _silu_and_mul_kernel, silu_and_mul
 from minisgl_backend.layers import fast_ops
+from tests.kernel_targets import cpu_mark, gpu_marks
 
 INTERPRETED = is_interpreted(_silu_and_mul_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
 TARGETS = [
-    pytest.param(("cpu", torch.float32), id="cpu-fp32", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
-    *(pytest.param(("cuda", dtype), id=f"cuda-{name}", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not CUDA, reason="needs CUDA")]) for name, dtype in (("bf16", torch.bfloat16),
-                                                              ("fp16", torch.float16))),
+    pytest.param(("cpu", torch.float32), id="cpu-fp32", marks=cpu_mark(_silu_and_mul_kernel)),
+    *(pytest.param(("cuda", dtype), id=f"cuda-{name}", marks=gpu_marks(_silu_and_mul_kernel))
+      for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))),
 ]
 
 

@@ -19,6 +19,7 @@ from kernels import is_interpreted
 from kernels.fused_moe import MoETileConfig, _grouped_gemm_kernel, fused_experts
 from kernels.moe_align import align_block_size, padded_capacity
 from minisgl_backend.layers.moe import experts_forward_torch, route
+from tests.kernel_targets import cpu_mark, gpu_marks
 
 INTERPRETED = is_interpreted(_grouped_gemm_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -38,9 +39,8 @@ CPU = Target("cpu", torch.float32, 1e-4)
 CPU_FP16 = Target("cpu", torch.float16, 2e-2)
 BF16 = Target("cuda", torch.bfloat16, 2e-2)
 FP16 = Target("cuda", torch.float16, 2e-2)
-_CPU_MARK = pytest.mark.skipif(not INTERPRETED, reason="CPU runs need the kernels imported with "
-                               "TRITON_INTERPRET=1 (the default where torch sees no CUDA)")
-_GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+_CPU_MARK = cpu_mark(_grouped_gemm_kernel)
+_GPU_MARKS = gpu_marks(_grouped_gemm_kernel)
 TARGETS = [
     pytest.param(CPU, id="cpu-fp32", marks=_CPU_MARK),
     pytest.param(BF16, id="cuda-bf16", marks=_GPU_MARKS),

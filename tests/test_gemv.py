@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kernels import is_interpreted
 from kernels.gemv import FMA_MAX_ROWS, GemvLaunch, _gemv_kernel, fused_gemv
+from tests.kernel_targets import cpu_mark, gpu_marks
 
 INTERPRETED = is_interpreted(_gemv_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -21,12 +22,10 @@ CUDA = torch.cuda.is_available() and not INTERPRETED
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 EPS = 1e-5
 TARGETS = [
-    pytest.param(("cpu", torch.float32), id="cpu-fp32", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
-    *(pytest.param(("cuda", dtype), id=f"cuda-{name}", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not CUDA, reason="needs CUDA")]) for name, dtype in (("bf16", torch.bfloat16),
-                                                              ("fp16", torch.float16),
-                                                              ("fp32", torch.float32))),
+    pytest.param(("cpu", torch.float32), id="cpu-fp32", marks=cpu_mark(_gemv_kernel)),
+    *(pytest.param(("cuda", dtype), id=f"cuda-{name}", marks=gpu_marks(_gemv_kernel))
+      for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                          ("fp32", torch.float32))),
 ]
 VARIANTS = ["plain", "norm", "gated", "residual", "norm+residual"]
 

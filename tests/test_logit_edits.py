@@ -8,18 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import is_interpreted
 from kernels.logit_edits import _min_p_kernel, apply_min_p, apply_sparse_edits
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
+from tests.kernel_targets import devices
 
-INTERPRETED = is_interpreted(_min_p_kernel)
-DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")]),
-]
+DEVICES = devices(_min_p_kernel)
 VOCAB, ROWS, POSITIONS = 5000, 8, 64
 BATCH = np.array([6, 0, 2, 5, 1, 3])  # table rows of a batch: 0 and 3 edit nothing
 NEXT = 40  # every row samples its token at position 40

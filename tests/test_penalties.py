@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import is_interpreted
 from kernels.penalties import _penalty_kernel, apply_penalties
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
+from tests.kernel_targets import devices
 
-INTERPRETED = is_interpreted(_penalty_kernel)
-DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="CPU runs need the kernels imported with TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")]),
-]
+DEVICES = devices(_penalty_kernel)
 VOCAB, ROWS = 3000, 6  # the vocabulary spans two 2048-wide blocks, the last one partial
 
 
