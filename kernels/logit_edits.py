@@ -106,7 +106,8 @@ def _min_p_kernel(logits_ptr, logits_stride, batch_rows_ptr, offsets_ptr, vocab,
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(row + cols, mask=cols < vocab, other=0.0)
         minus_inf = tl.full([BLOCK], float("-inf"), tl.float32)
-        tl.store(row + cols, minus_inf.to(x.dtype), mask=(cols < vocab) & (x.to(tl.float32) < floor))
+        dropped = (cols < vocab) & (x.to(tl.float32) < floor)
+        tl.store(row + cols, minus_inf.to(x.dtype), mask=dropped)
 
 
 def apply_min_p(logits: torch.Tensor, batch_rows: torch.Tensor, offsets: torch.Tensor,

@@ -236,7 +236,7 @@ class LogitControls:
         if penalized.any():
             self._penalize(logits, rows, penalized, seq_lens, next_positions)
         biased, banned = self.biased[rows], self.banned[rows]
-        kernels = use_triton_kernels(logits) and logits.stride(1) == 1
+        kernels = _kernels_edit(logits)
         if kernels and (biased.any() or banned.any()):
             self._sparse_edits(logits, rows, rows_t, next_positions, biased, banned)
         else:
@@ -275,7 +275,7 @@ class LogitControls:
              p["frequency_penalty"][sel_rows]]), torch.float32)
         which_t, row_t = self._upload("penalized rows", rows,
                                       lambda: np.stack([which, sel_rows]), torch.int64)
-        if use_triton_kernels(logits) and logits.stride(1) == 1:
+        if _kernels_edit(logits):
             from kernels.penalties import apply_penalties
 
             apply_penalties(logits, which_t, row_t, self.counts, self.in_prompt, rep, presence,
@@ -358,6 +358,12 @@ class LogitControls:
         which = self._upload("counted rows", np.concatenate([rows, counted]),
                              lambda: np.nonzero(counted)[0])
         self.counts[rows_t[which], tokens[which].long()] += 1
+
+
+def _kernels_edit(logits: torch.Tensor) -> bool:
+    """The project's Triton kernels edit these logits (a GPU; unit stride along the
+    vocabulary), not the torch path."""
+    return use_triton_kernels(logits) and logits.stride(1) == 1
 
 
 def _pow2(n: int) -> int:

@@ -15,16 +15,12 @@ def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequence
     fast tokenizer that changes nothing after its Rust tokenizer (no clean-up of spaces, no
     decode of its own class), that Rust tokenizer's decode: the same text at about 2.4x less
     cost per call, which counts since every generated token is decoded twice."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedTokenizerFast = None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    plain = (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
-             and type(tokenizer).decode is PreTrainedTokenizerFast.decode
-             and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
-             and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
-    if plain and backend is not None:
+    from transformers import PreTrainedTokenizerFast as Fast
+
+    if (isinstance(tokenizer, Fast) and type(tokenizer).decode is Fast.decode
+            and type(tokenizer)._decode is Fast._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
