@@ -96,21 +96,17 @@ if wants decode1; then  # issue 4's batch-1 targets alone: 8B vs its roofline, 0
   TAIL=3 step 120 decode1-qwen3-0.6b-eager python3 scripts/bench_decode.py --shape qwen3-0.6b \
     --batch-sizes 1 --new-tokens 256 --skip-hf --cuda-graph-max-bs 0
 fi
-if wants controls; then  # per-request sampling controls: GPU tests, then decode with and without
-  step 600 tests-controls python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gpu_sampling_controls.py
-  step 300 controls-qwen3-0.6b python3 scripts/bench_sampling_controls.py --device cuda \
-    --shape qwen3-0.6b --load-format dummy --batch-sizes 1 64 256
+if wants controls; then  # per-request sampling controls on the GPU: their kernels, float32 vs HF
+  step 600 tests-controls python3 -m pytest -q -p no:cacheprovider tests/test_logit_edits.py \
+    tests/test_penalties.py tests/test_gpu_sampling_controls.py
 fi
-if wants new; then  # issues 16-18 on the GPU: speculative verify steps, windows, guided rows
+if wants new; then  # issues 17-18 on the GPU: speculative verify steps, windows (guided rows: controls)
   step 420 tests-new python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculative.py \
-    tests/test_sliding_window_gpu.py tests/test_gpu_sampling_controls.py
+    tests/test_sliding_window_gpu.py -k "not flashinfer"  # their FlashInfer cases: step fi
   step 300 tests-engine python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
 fi
 if wants overheads; then  # every sampling control, and a JSON-schema mix, against none
-  step 300 tests-controls-kernels python3 -m pytest -q -p no:cacheprovider \
-    tests/test_logit_edits.py tests/test_penalties.py tests/test_gpu_sampling_controls.py
   for shape in qwen3-0.6b llama-3.1-8b; do
     TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
       --device cuda --shape "$shape" --batch-sizes 1 64 256
