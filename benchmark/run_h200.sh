@@ -10,7 +10,8 @@
 # skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new
 # overheads fi spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
 # FlashInfer, FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write
-# the compiled kernels to OUT_DIR/kernel-cache.tar.xz.
+# the compiled kernels to OUT_DIR/kernel-cache.tar.xz, SHAPES the `overheads` step's model
+# shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256).
 # flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
 # and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 #
@@ -23,9 +24,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
 STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed tp}
-if [ -f .carry/site.tar.xz ]; then
-  mkdir -p /tmp/site && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -f .carry/site.tar.xz ]; then  # unpacked once per machine (a warm one keeps /tmp)
+  [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site \
+    && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [ -f .carry/kernel-cache.tar.xz ] && tar -I "xz -T0" -xf .carry/kernel-cache.tar.xz -C "$HOME"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -107,7 +109,7 @@ if wants new; then  # issues 17-18 on the GPU: speculative verify steps, windows
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
 fi
 if wants overheads; then  # every sampling control, and a JSON-schema mix, against none
-  for shape in qwen3-0.6b llama-3.1-8b; do
+  for shape in ${SHAPES:-qwen3-0.6b llama-3.1-8b}; do
     TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
       --device cuda --shape "$shape" --batch-sizes 1 64 256
     # Qwen3's vocabulary with Llama 3's tokens (no Qwen tokenizer travels); two engines.
@@ -143,11 +145,14 @@ if wants mixed; then  # mixed prefill steps against the default, offline and at 
 fi
 wants mechanisms && TAIL=9 step 300 mechanisms-qwen3-0.6b python3 scripts/bench_mechanisms.py \
   --shape qwen3-0.6b --page-size 16
+# Batch 1 on both shapes: the small one's host launch time, the 8B step's kernels and gaps.
+wants profile && TAIL=16 step 150 profile-qwen3-0.6b python3 scripts/profile_decode_step.py \
+  --shape qwen3-0.6b --batch-sizes 1 --steps 150 --backends triton
 wants profile && TAIL=40 step 180 profile-llama-3.1-8b python3 scripts/profile_decode_step.py \
   --shape llama-3.1-8b --batch-sizes 1 --steps 60 --backends triton --trace
 if wants triton && command -v tritonserver > /dev/null && command -v perf_analyzer > /dev/null; then
   TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
-    --page-size 64 --concurrency 64 256
+    --page-size 64 --concurrency ${CONCURRENCY:-64 256}
 fi
 unset CUDA_VISIBLE_DEVICES
 if wants tp && [ "$GPUS" -ge 2 ]; then
