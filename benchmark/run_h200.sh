@@ -109,6 +109,10 @@ if wants new; then  # issues 17-18 on the GPU: speculative verify steps, windows
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
 fi
 if wants overheads; then  # every sampling control, and a JSON-schema mix, against none
+  # A guided step's host work alone (mask fills by thread count, up to xgrammar's default).
+  TAIL=8 step 120 grammar-masks python3 scripts/bench_grammar_masks.py --device cuda \
+    --vocab-size 151936 --rows 1 64 256 --threads 1 2 4 8 \
+    "$(python3 -c 'import os; print(max(1, os.cpu_count() // 2))')"
   for shape in ${SHAPES:-qwen3-0.6b llama-3.1-8b}; do
     TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
       --device cuda --shape "$shape" --batch-sizes 1 64 256

@@ -27,6 +27,7 @@ from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.grammar import apply_token_masks
+from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
@@ -128,7 +129,7 @@ class Engine:
             torch.cuda.set_device(rank)
             self.device = torch.device("cuda", rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+            torch.set_num_threads(max(1, usable_cpus() // config.tp_size))
             self.device = torch.device("cpu")
         backend = "nccl" if device_type == "cuda" else "gloo"
         init_process_group(rank, config.tp_size, init_file, backend)

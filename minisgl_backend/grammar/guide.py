@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from minisgl_backend.device_copy import host_to_device
+from minisgl_backend.host_cpus import usable_cpus
 
 
 def mask_words(vocab_size: int) -> int:
@@ -71,12 +72,20 @@ class Guide:
 
 
 _per_thread = threading.local()  # one BatchGrammarMatcher per scheduler thread
+FILL_THREADS_MAX = 4
+
+
+def fill_threads() -> int:
+    """Threads of a scheduler thread's parallel mask fill: half the CPUs this process may use,
+    at most FILL_THREADS_MAX (xgrammar's own default, half of the host's cores, may be dozens
+    in a container holding a share of a large host)."""
+    return max(1, min(FILL_THREADS_MAX, usable_cpus() // 2))
 
 
 def fill_masks(guides: list[Guide], masks: np.ndarray, indices: list[int]) -> None:
     """Row `indices[i]` of `masks` for `guides[i]`, as `Guide.fill` does, the rows filled in
-    parallel by xgrammar's threads (half the machine's cores): at 64 rows and more, one thread
-    filling them in turn takes longer than the forward they overlap with."""
+    parallel by xgrammar's threads (`fill_threads`): at 64 rows and more, one thread filling
+    them in turn may take longer than the forward they overlap with."""
     if len(guides) < 2:
         for guide, index in zip(guides, indices):
             guide.fill(masks, index)
@@ -85,7 +94,7 @@ def fill_masks(guides: list[Guide], masks: np.ndarray, indices: list[int]) -> No
     if batch_matcher is None:
         import xgrammar as xgr
 
-        batch_matcher = _per_thread.batch_matcher = xgr.BatchGrammarMatcher()
+        batch_matcher = _per_thread.batch_matcher = xgr.BatchGrammarMatcher(fill_threads())
     batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in guides], masks,
                                                 indices=indices)
 
