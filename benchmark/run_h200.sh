@@ -11,7 +11,8 @@
 # overheads fi spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
 # FlashInfer, FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write
 # the compiled kernels to OUT_DIR/kernel-cache.tar.xz, SHAPES the `overheads` step's model
-# shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256).
+# shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256),
+# CMD the `cmd` step's command line (any script, with this setup; CMD_LIMIT_S, default 300).
 # flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
 # and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 #
@@ -158,6 +159,7 @@ if wants triton && command -v tritonserver > /dev/null && command -v perf_analyz
   TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
     --page-size 64 --concurrency ${CONCURRENCY:-64 256}
 fi
+wants cmd && step "${CMD_LIMIT_S:-300}" cmd bash -c "$CMD"  # an ad-hoc command, same setup
 unset CUDA_VISIBLE_DEVICES
 if wants tp && [ "$GPUS" -ge 2 ]; then
   TAIL=1 step 240 offline-llama-3.1-8b-tp2 python3 scripts/bench_offline.py \
