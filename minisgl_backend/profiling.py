@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import logging
 import os
 import pstats
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PROFILE_DIR_ENV = "MINISGL_PROFILE_DIR"
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -31,7 +33,12 @@ def profiled(name: str) -> Iterator[None]:
         yield
         return
     profile = cProfile.Profile()
-    profile.enable()
+    try:
+        profile.enable()
+    except ValueError:  # Python 3.12+: one cProfile per process; another thread holds it
+        logger.warning("%s: not profiled (another block of this process is)", name)
+        yield
+        return
     try:
         yield
     finally:
