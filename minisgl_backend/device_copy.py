@@ -19,13 +19,15 @@ import torch
 def host_to_device(data: np.ndarray | Sequence[int] | Sequence[float], device: torch.device,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """`data` (a numpy array or a list) as a tensor on `device`, copied asynchronously."""
-    host = torch.from_numpy(np.array(data))  # a private copy: the caller may reuse its array
-    if dtype is not None:
-        host = host.to(dtype)
+    array = np.asarray(data)
     if device.type != "cuda":
-        return host
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
+        host = torch.from_numpy(array.copy())  # a private copy: the caller may reuse its array
+        return host if dtype is None else host.to(dtype)
+    dtype = dtype or torch.from_numpy(np.empty(0, array.dtype)).dtype
+    pinned = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    # numpy's copy (and cast), on this thread: torch's copy_ of a large array wakes its thread
+    # pool, which took 2.6 ms for a batch's 1.2 MB of token masks on a busy H200 host.
+    np.copyto(pinned.numpy(), array, casting="unsafe")
     return pinned.to(device, non_blocking=True)
 
 
