@@ -1,7 +1,8 @@
 """The host work of one guided decode step, alone: filling N rows' token masks (one matcher
 after another, or in parallel through xgrammar's BatchGrammarMatcher with a number of threads),
-each row then accepting one token, and the masks' copy to the device and application
-(`apply_token_masks`, as the engine does).
+each row then accepting one token, the masks' copy to the device and application
+(`apply_token_masks`, as the engine does), and their way to the engine process (through its
+pipe, or in the shared mask buffer with a one-byte message).
 
 Guided steps wait for this work (its sum is the step's floor when it exceeds the forward), so
 this tells which part sets a guided batch's speed on a host:
@@ -16,12 +17,14 @@ allowed tokens, each row at its own point, so that their masks differ as in a re
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import random
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,7 @@ if str(SCRIPTS_DIR) not in sys.path:
 from bench_structured_output import PEOPLE
 
 from minisgl_backend.benchmark.tokenizer import committed_tokenizer
+from minisgl_backend.engine import protocol
 from minisgl_backend.grammar.guide import (
     Guide,
     apply_token_masks,
@@ -79,8 +83,21 @@ def timed(fn: Callable[[], object], steps: int) -> float:
     return 1e3 * (time.perf_counter() - start) / steps
 
 
+def echo(conn: Connection) -> None:
+    """A stand-in engine process: answer every message with one byte until an empty one."""
+    while data := conn.recv_bytes():
+        protocol.decode(data)
+        conn.send_bytes(b"k")
+
+
+def round_trip(conn: Connection, message: bytes) -> None:
+    conn.send_bytes(message)
+    conn.recv_bytes()
+
+
 def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: int,
-            device: torch.device, rng: random.Random, args: argparse.Namespace) -> list[float]:
+            device: torch.device, rng: random.Random, args: argparse.Namespace,
+            conn: Connection) -> list[float]:
     """The table's cells for `rows` guided rows."""
     guides = [Guide(compiled, set()) for _ in range(rows)]
     walk(guides, words, rng, 40)
@@ -117,6 +134,11 @@ def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: in
             torch.cuda.synchronize()
 
     cells.append(timed(apply, args.steps))
+    # How the masks reach the engine process: through its pipe (encoded, sent, decoded), or
+    # written in the shared mask buffer with only MASKS_READY sent.
+    cells.append(timed(lambda: round_trip(conn, protocol.encode(protocol.MASKS, {
+        "masks": masks})), args.steps))
+    cells.append(timed(partial(round_trip, conn, protocol.MASKS_READY), args.steps))
     return cells
 
 
@@ -134,12 +156,17 @@ def main() -> None:
     print(f"os.cpu_count() {os.cpu_count()}, usable CPUs {usable_cpus()}: fill_masks uses "
           f"{fill_threads()} threads, xgrammar's default would be {os.cpu_count() // 2}")
     header = ["rows", "one by one"] + [f"batch, {t} threads" for t in args.threads] + [
-        "fill_masks", "accept", "copy + apply"]
+        "fill_masks", "accept", "copy + apply", "masks through a pipe", "buffer + MASKS_READY"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    ours, theirs = mp.get_context("spawn").Pipe(duplex=True)
+    engine = mp.get_context("spawn").Process(target=echo, args=(theirs,), daemon=True)
+    engine.start()
     for rows in args.rows:
-        cells = measure(compiled, rows, words, vocab_size, device, rng, args)
+        cells = measure(compiled, rows, words, vocab_size, device, rng, args, ours)
         print(f"| {rows} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    ours.send_bytes(b"")
+    engine.join()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from minisgl_backend.core import ROW_DTYPES, Req, SamplingParams
 from minisgl_backend.engine import protocol
+from minisgl_backend.engine.mask_buffer import MASKS_FILE, MaskBuffer
 from minisgl_backend.engine.protocol import STEP, StepMessage, decode, encode
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
@@ -115,14 +117,26 @@ def test_decode_step_without_admissions_carries_no_prefill_or_admit_fields() -> 
     assert arrays["new_pages"].tolist() == [17]
 
 
-def test_a_step_whose_masks_follow_says_so_and_its_masks_come_alone() -> None:
-    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], guide_rows=[2], masks_follow=True)
+def test_a_step_whose_masks_follow_says_so_and_names_its_mask_half() -> None:
+    msg = StepMessage(is_prefill=False, rows=[0, 1, 2], guide_rows=[2], mask_half=[1],
+                      masks_follow=True)
     back = StepMessage.from_bytes(msg.to_bytes())
-    assert back.masks_follow and back.guide_rows.tolist() == [2] and len(back.guide_masks) == 0
+    assert back.masks_follow and back.guide_rows.tolist() == [2]
+    assert back.mask_half.tolist() == [1]
     assert not StepMessage.from_bytes(StepMessage(is_prefill=False).to_bytes()).masks_follow
-    masks = np.arange(6, dtype=np.int32).reshape(2, 3)
-    kind, arrays = decode(protocol.masks_message(masks))
-    assert kind == protocol.MASKS and arrays["guide_masks"].tolist() == list(range(6))
+    assert decode(protocol.MASKS_READY) == (protocol.MASKS, {})  # the masks are in the buffer
+
+
+def test_mask_buffer_halves_are_shared_through_the_file(tmp_path: Path) -> None:
+    writer = MaskBuffer(tmp_path / MASKS_FILE, slots=3, words=2, create=True)
+    reader = MaskBuffer(tmp_path / MASKS_FILE, slots=3, words=2)  # an engine rank's mapping
+    writer.view(0, 2)[:] = [[1, 2], [3, 4]]
+    writer.view(1, 1)[:] = -1
+    assert reader.view(0, 2).tolist() == [[1, 2], [3, 4]]
+    assert reader.view(1, 1).tolist() == [[-1, -1]]
+    assert reader.view(0, 3)[2].tolist() == [0, 0]  # never written: zero pages
+    with pytest.raises(ValueError, match="4 guided slots in one step, the mask buffer holds 3"):
+        writer.view(0, 4)
 
 
 def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> None:

@@ -32,6 +32,11 @@ class EngineConfig:
     samples_per_row: int = 1
 
     @property
+    def max_samples(self) -> int:
+        """Samples one step may take: every running row's `samples_per_row`."""
+        return self.max_running_requests * self.samples_per_row
+
+    @property
     def device_type(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,10 +23,11 @@ from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import LogitControls, LogprobReport, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
+from minisgl_backend.engine.mask_buffer import MASKS_FILE, MaskBuffer
 from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
-from minisgl_backend.grammar import apply_token_masks
+from minisgl_backend.grammar import apply_token_masks, mask_words
 from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
@@ -133,6 +134,9 @@ class Engine:
             self.device = torch.device("cpu")
         backend = "nccl" if device_type == "cuda" else "gloo"
         init_process_group(rank, config.tp_size, init_file, backend)
+        # The scheduler's mask buffer: in the same private folder as the rendezvous file.
+        self._masks_path = os.path.join(os.path.dirname(init_file), MASKS_FILE)
+        self._mask_buffer: MaskBuffer | None = None
         self.model_config = ModelConfig.from_folder(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
         free_before = self._free_memory()
@@ -164,8 +168,7 @@ class Engine:
         if self._use_cuda_graphs():
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
-                min(config.cuda_graph_max_bs,
-                    config.max_running_requests * config.samples_per_row), self.page_table,
+                min(config.cuda_graph_max_bs, config.max_samples), self.page_table,
                 dummy_slot=self.kv_pool.dummy_slot)
 
     def _use_cuda_graphs(self) -> bool:
@@ -230,7 +233,7 @@ class Engine:
         """Apply one step message and launch its forward and sampling (asynchronous on a GPU:
         the next message can be applied while this step runs). `waited`: seconds this rank
         waited for the message (for the step timeline)."""
-        return self.finish(self.start(msg, waited), msg.guide_masks)
+        return self.finish(self.start(msg, waited))
 
     @torch.inference_mode()
     def start(self, msg: StepMessage, waited: float = 0.0) -> StartedStep:
@@ -272,14 +275,23 @@ class Engine:
         self._mask_early_stops(logits, rows, step.seq_lens)
         return step
 
+    def _guide_masks(self, msg: StepMessage) -> np.ndarray:
+        """The step's guided rows' masks, in the scheduler's mask buffer (mapped on first use;
+        `apply_token_masks` copies them out before this step is finished)."""
+        if self._mask_buffer is None:
+            self._mask_buffer = MaskBuffer(self._masks_path, self.config.max_samples,
+                                           mask_words(self.model_config.vocab_size))
+        return self._mask_buffer.view(int(msg.mask_half[0]), len(msg.guide_rows))
+
     @torch.inference_mode()
-    def finish(self, step: StartedStep, guide_masks: np.ndarray | list) -> StepHandle:
-        """The second half of `launch`: the guided rows' token masks (`step.msg.guide_rows`,
-        row-major), sampling, and the copy of the sampled ids to the host."""
+    def finish(self, step: StartedStep) -> StepHandle:
+        """The second half of `launch`: the guided rows' token masks (`step.msg.guide_rows`;
+        they must be in the mask buffer by now), sampling, and the copy of the sampled ids to
+        the host."""
         logits, rows, batch = step.logits, step.rows, step.batch
         if len(step.msg.guide_rows):
             apply_token_masks(logits, np.asarray(step.msg.guide_rows, dtype=np.int64),
-                              np.asarray(guide_masks, dtype=np.int32))
+                              self._guide_masks(step.msg))
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:

@@ -17,7 +17,7 @@ from minisgl_backend.core import ROW_DTYPES
 
 # Message kinds, scheduler -> engine. With overlap on, the engine answers a STEP with the tokens
 # of the step before it (the new one is already running); FLUSH asks for the last step's tokens.
-# MASKS follows a STEP sent with `masks_follow`: its guided rows' token masks.
+# MASKS follows a STEP sent with `masks_follow`: its guided rows' token masks are written.
 STEP, SHUTDOWN, FLUSH, MASKS = 1, 2, 3, 4
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
@@ -116,12 +116,14 @@ class StepMessage:
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
     # Structured output: the rows (batch indices) whose next token a grammar constrains, and
-    # their token masks, row-major ([rows, ceil(vocab / 32)] int32, bit set: allowed).
+    # the half of the shared mask buffer (`mask_buffer.MaskBuffer`) holding their token masks
+    # (one value: 0 or 1), written before this message is sent.
     guide_rows: Values = _array("int32")
-    guide_masks: Values = _array("int32")
+    mask_half: Values = _array("uint8")
     # With overlap on, a guided row's mask needs the token of the step before, which the
-    # scheduler reads while this step's forward runs: the masks then come in a MASKS message
-    # (`masks_message`) after this one, and the engine waits for them only to sample.
+    # scheduler reads while this step's forward runs: the masks are then written after this
+    # message, a MASKS message (`MASKS_READY`) says they are, and the engine waits for it only
+    # to sample.
     masks_follow: bool = False
 
     def to_bytes(self) -> bytes:
@@ -157,9 +159,8 @@ class StepMessage:
         return msg
 
 
-def masks_message(masks: np.ndarray) -> bytes:
-    """The MASKS message that follows a step sent with `masks_follow`."""
-    return encode(MASKS, {"guide_masks": np.asarray(masks, dtype=np.int32).reshape(-1)})
+# The MASKS message that follows a step sent with `masks_follow`, once its masks are written.
+MASKS_READY = encode(MASKS, {})
 
 
 _ARRAY_FIELDS = [f for f in fields(StepMessage) if "dtype" in f.metadata]

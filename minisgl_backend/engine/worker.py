@@ -37,6 +37,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
         conn.send_bytes(protocol.encode(protocol.READY, {
             "num_pages": np.asarray([engine.num_pages], dtype=np.int64),
             "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
+            "vocab_size": np.asarray([engine.model_config.vocab_size], dtype=np.int64),
         }))
         with profiled(f"engine-rank{rank}"):
             _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
@@ -69,7 +70,8 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
     so the device computes step N while the scheduler handles step N-1's tokens (on CPU, where
     a step has run when `Engine.finish` returns, step N-1 is answered before step N runs).
     A STEP with `masks_follow` runs its forward, answers the step before (its tokens are what
-    the scheduler needs for the masks), then waits for the MASKS message to sample."""
+    the scheduler needs for the masks), then waits for the MASKS message (the masks are in
+    the mask buffer) to sample."""
     pending: StepHandle | None = None
 
     def answer(handle: StepHandle | None) -> None:
@@ -93,12 +95,11 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
             answer(pending)
             pending = None
         started = engine.start(msg, waited=time.perf_counter() - asked)
-        masks = msg.guide_masks
         if msg.masks_follow:
             answer(pending)
             pending = None
-            masks = _receive_masks(conn)
-        handle = engine.finish(started, masks)
+            _wait_for_masks(conn)
+        handle = engine.finish(started)
         if not overlap:
             answer(handle)
             continue
@@ -106,13 +107,12 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
         pending = handle
 
 
-def _receive_masks(conn: Connection) -> np.ndarray:
-    kind, arrays = protocol.decode(conn.recv_bytes())
+def _wait_for_masks(conn: Connection) -> None:
+    kind, _ = protocol.decode(conn.recv_bytes())
     if kind == protocol.SHUTDOWN:
         raise EOFError  # the scheduler stopped between a step and its masks
     if kind != protocol.MASKS:
         raise RuntimeError(f"expected the MASKS of the step before, got message kind {kind}")
-    return arrays["guide_masks"]
 
 
 def _exit_with_parent(private_dir: str) -> None:

@@ -32,9 +32,9 @@ from minisgl_backend.core import (
     wants_context_logits,
 )
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_message
+from minisgl_backend.engine.protocol import MASKS_READY, StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
-from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, mask_words
+from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -88,6 +88,7 @@ class _SentStep:
     counts: list[bool]  # per request: does its sampled token count (see `complete_step`)
     masks_follow: list[int]  # batch indices of the guided rows whose masks are still to send
     verifies: bool  # some row verifies drafts (or sends its start after rejected ones)
+    mask_half: int  # the mask buffer's half of this step's guided rows
 
 
 @dataclass(frozen=True)
@@ -392,14 +393,15 @@ class Scheduler:
                 # The masks wait on the engine: only the grammars follow the tokens first.
                 reply = self.engine.receive_step(self.config.step_timeout)
                 self._advance_guides(self.in_flight, reply)
-                self.engine.send(masks_message(self._token_masks(sent.batch,
-                                                                 sent.masks_follow)))
+                self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
+                self.engine.send(MASKS_READY)
                 sent.masks_follow = []
                 self._read_tokens(self.in_flight, reply)
             else:
                 self._read_tokens(self.in_flight)
         if sent is not None and sent.masks_follow:
-            self.engine.send(masks_message(self._token_masks(sent.batch, sent.masks_follow)))
+            self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
+            self.engine.send(MASKS_READY)
         if sent is not None and sent.verifies:  # the next step's drafts need its tokens
             self.engine.flush()
             self._read_tokens(sent)
@@ -436,10 +438,11 @@ class Scheduler:
         self.peak_running = max(self.peak_running, rows_in_use)
         message = self._step_message(batch, admitted, is_prefill, num_given)
         self.engine.send(message.to_bytes())
+        mask_half = self._mask_half()
         self.num_steps += 1
         return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch],
                          self._guided_rows(batch) if message.masks_follow else [],
-                         verifies=bool(explicit))
+                         verifies=bool(explicit), mask_half=mask_half)
 
     def _read_tokens(self, sent: _SentStep | None, reply: StepReply | None = None) -> None:
         """Process the tokens of `sent` (`reply`, when already received)."""
@@ -492,37 +495,44 @@ class Scheduler:
         if self.guided_uids:
             guided = self._guided_rows(batch)
             msg.guide_rows = _slots_of(batch, guided)
+            if guided:
+                msg.mask_half = [self._mask_half()]
             # A step in flight holds tokens these masks depend on: they follow once it is read.
             msg.masks_follow = bool(guided) and self.in_flight is not None
             if guided and not msg.masks_follow:
-                msg.guide_masks = self._token_masks(batch, guided).reshape(-1)
+                self._write_masks(batch, guided, self._mask_half())
         return msg
+
+    def _mask_half(self) -> int:
+        """The mask buffer's half of the step being built (its number's parity; see
+        `mask_buffer` for why two halves suffice)."""
+        return self.num_steps % 2
 
     @staticmethod
     def _guided_rows(batch: list[Req]) -> list[int]:
         """Batch indices of the guided rows that sample a token this step."""
         return [i for i, req in enumerate(batch) if req.guide is not None and req.prompt_done]
 
-    def _token_masks(self, batch: list[Req], guided: list[int]) -> np.ndarray:
-        """The grammar masks of the slots of the guided rows `guided` (batch indices),
-        [slots, words]; a row whose request has ended since (it runs one extra step, whose
-        token is dropped) allows every token."""
-        masks = np.full((len(_slots_of(batch, guided)), mask_words(self.vocab_size)), -1,
-                        dtype=np.int32)
+    def _write_masks(self, batch: list[Req], guided: list[int], half: int) -> None:
+        """The grammar masks of the slots of the guided rows `guided` (batch indices), into
+        half `half` of the mask buffer; a row whose request has ended since (it runs one extra
+        step, whose token is dropped) allows every token."""
+        masks = self.engine.masks.view(half, len(_slots_of(batch, guided)))
         plain: list[Guide] = []  # rows without drafts: one parallel fill
         plain_slots: list[int] = []
         slot = 0
         for i in guided:
             req = batch[i]
-            if req.uid in self.trackers and not req.guide.finished:
-                if req.drafts:
-                    req.guide.fill_with_drafts(masks, slot, req.drafts)
-                else:
-                    plain.append(req.guide)
-                    plain_slots.append(slot)
-            slot += 1 + len(req.drafts)
+            end = slot + 1 + len(req.drafts)
+            if req.uid not in self.trackers or req.guide.finished:
+                masks[slot:end] = -1
+            elif req.drafts:
+                req.guide.fill_with_drafts(masks, slot, req.drafts)
+            else:
+                plain.append(req.guide)
+                plain_slots.append(slot)
+            slot = end
         fill_masks(plain, masks, plain_slots)
-        return masks
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         """What the engine needs of a newly admitted request: its per-row controls, and its
@@ -613,4 +623,4 @@ class Scheduler:
         self.in_flight = None
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "RequestOutput", "pages_for"]
+__all__ = ["RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerStats", "pages_for"]
