@@ -154,7 +154,8 @@ def main() -> None:
     print(f"tokenizer {args.tokenizer}, vocabulary {vocab_size}, device {args.device}, "
           f"{args.steps} steps; ms per step")
     print(f"os.cpu_count() {os.cpu_count()}, usable CPUs {usable_cpus()}: fill_masks uses "
-          f"{fill_threads()} threads, xgrammar's default would be {os.cpu_count() // 2}")
+          + ", ".join(f"{fill_threads(rows)} thread(s) at {rows} rows" for rows in args.rows)
+          + f"; xgrammar's default would be {os.cpu_count() // 2}")
     header = ["rows", "one by one"] + [f"batch, {t} threads" for t in args.threads] + [
         "fill_masks", "accept", "copy + apply", "masks through a pipe", "buffer + MASKS_READY"]
     print("| " + " | ".join(header) + " |")

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
-from typing import Iterator
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.grammar.guide import PARALLEL_FILL_ROWS, Guide, fill_masks, mask_words
 from minisgl_backend.models import ModelConfig
 from minisgl_backend.tokenizer import encode_chat
 from tests.conftest import _hf_model, hf_greedy
@@ -54,7 +56,7 @@ number ::= [1-9] [0-9]*"""
 # ----- the reference ------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiler(model_dir: str) -> tuple[xgr.GrammarCompiler, frozenset[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = ModelConfig.from_folder(model_dir)
@@ -321,3 +323,25 @@ def test_same_schema_compiles_once(smol: LLM) -> None:
     grammars.compile(SamplingParams(json_schema=schema))
     again = time.perf_counter() - again
     assert again < first
+
+
+def test_batched_mask_fill_equals_each_matcher_filling_its_row(default_model: Path) -> None:
+    """fill_masks (xgrammar's BatchGrammarMatcher, one thread or several) writes exactly the
+    rows each matcher fills alone, at batch sizes on both sides of PARALLEL_FILL_ROWS, with
+    guides at different points of their grammars."""
+    compiled = compile_guide(default_model, SamplingParams(json_schema=SCHEMAS["nested"]))
+    words = mask_words(ModelConfig.from_folder(default_model).vocab_size)
+    text_ids = AutoTokenizer.from_pretrained(default_model).encode(
+        '{"user": {"name": "Ann", "tags": ["red"]}, "score": 7}', add_special_tokens=False)
+    for rows in (3, PARALLEL_FILL_ROWS + 2):
+        guides = [Guide(compiled, set()) for _ in range(rows)]
+        for i, guide in enumerate(guides):
+            for token in text_ids[: i % len(text_ids)]:
+                assert guide.accept(token)
+        alone = np.zeros((rows, words), dtype=np.int32)
+        for i, guide in enumerate(guides):
+            guide.fill(alone, i)
+        batched = np.zeros((rows + 1, words), dtype=np.int32)  # rows 1.. : indices honoured
+        fill_masks(guides, batched, list(range(1, rows + 1)))
+        assert (batched[1:] == alone).all() and not batched[0].any()
+        assert len({alone[i].tobytes() for i in range(rows)}) > 1  # the rows differ
