@@ -103,9 +103,10 @@ if wants controls; then  # per-request sampling controls on the GPU: their kerne
   step 600 tests-controls python3 -m pytest -q -p no:cacheprovider tests/test_logit_edits.py \
     tests/test_penalties.py tests/test_gpu_sampling_controls.py
 fi
-if wants new; then  # issues 17-18 on the GPU: speculative verify steps, windows (guided rows: controls)
+if wants new; then  # issues 17-18 on the GPU: verify steps, windows, architectures (guided: controls)
   step 420 tests-new python3 -m pytest -q -p no:cacheprovider tests/test_gpu_speculative.py \
-    tests/test_sliding_window_gpu.py -k "not flashinfer"  # their FlashInfer cases: step fi
+    tests/test_sliding_window_gpu.py tests/test_gpu_architectures.py \
+    -k "not flashinfer"  # their FlashInfer cases: step fi
   step 300 tests-engine python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py \
     tests/test_triton_attention.py -k "window or (not flashinfer and not tensor_parallel)"
 fi
