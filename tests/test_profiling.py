@@ -81,3 +81,17 @@ def test_step_timeline_resolves_steps_in_order() -> None:
     # 0.002 -> 0.003 between steps, then 0.0005 and 0.0002 before the forwards
     assert timeline.phases["decode"].waits == pytest.approx(0.001 + 0.0005 + 0.0002)
     assert timeline.waits_for_work == 1  # 0.004 -> 0.5
+
+
+def test_two_engines_of_one_process_both_serve_with_profiling_on(
+        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two scheduler threads profiled at once (Python 3.12 allows one cProfile per process:
+    the second block runs unprofiled) both serve; at least one scheduler profile is written."""
+    folder = tmp_path / "prof"
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(folder))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM(tiny_models["qwen3"], device="cpu") as first, \
+            LLM(tiny_models["qwen3"], device="cpu") as second:
+        outputs = [llm.generate(mixed_prompts(2), params) for llm in (first, second)]
+    assert [[len(o.token_ids) for o in out] for out in outputs] == [[3, 3], [3, 3]]
+    assert list(folder.glob("scheduler-*.prof"))
