@@ -8,18 +8,30 @@ import math
 import os
 from pathlib import Path
 
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+def _quota(root: Path) -> float | None:
+    """CPUs of the cgroup's CFS quota (v2 `cpu.max`, else v1 `cpu/cpu.cfs_*`); None if none."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
     """The CPUs of this process's affinity mask, bounded by its cgroup's CPU quota (rounded
     up; at least 1)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            count = min(count, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 CPU controller here: the affinity mask is the bound
+    quota = _quota(cgroup_root)
+    if quota is not None:
+        count = min(count, math.ceil(quota))
     return max(1, count)

@@ -14,19 +14,21 @@ from minisgl_backend.host_cpus import usable_cpus
 AFFINITY = len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize(("cpu_max", "expected"), [
-    ("max 100000\n", AFFINITY),  # no quota
-    ("150000 100000\n", min(AFFINITY, 2)),  # 1.5 CPUs of quota: 2 threads may run
-    ("50000 100000\n", 1),
-    (None, AFFINITY),  # no cgroup v2 CPU controller
-    ("garbage\n", AFFINITY),
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"cpu.max": "max 100000\n"}, AFFINITY),  # cgroup v2, no quota
+    ({"cpu.max": "150000 100000\n"}, min(AFFINITY, 2)),  # 1.5 CPUs: 2 threads may run
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, AFFINITY),
+    ({}, AFFINITY),  # no CPU controller
+    ({"cpu.max": "garbage\n"}, AFFINITY),
 ])
 def test_usable_cpus_is_the_affinity_bounded_by_the_cgroup_quota(
-        tmp_path: Path, cpu_max: str | None, expected: int) -> None:
-    path = tmp_path / "cpu.max"
-    if cpu_max is not None:
-        path.write_text(cpu_max)
-    assert usable_cpus(path) == expected
+        tmp_path: Path, files: dict[str, str], expected: int) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert usable_cpus(tmp_path) == expected
 
 
 def test_mask_fill_threads_one_for_small_batches_then_half_the_cpus(
