@@ -23,7 +23,13 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from minisgl_backend import LLM, SamplingParams
-from minisgl_backend.grammar.guide import PARALLEL_FILL_ROWS, Guide, fill_masks, mask_words
+from minisgl_backend.grammar.guide import (
+    PARALLEL_FILL_ROWS,
+    Guide,
+    apply_token_masks,
+    fill_masks,
+    mask_words,
+)
 from minisgl_backend.models import ModelConfig
 from minisgl_backend.tokenizer import encode_chat
 from tests.conftest import _hf_model, hf_greedy
@@ -345,3 +351,21 @@ def test_batched_mask_fill_equals_each_matcher_filling_its_row(default_model: Pa
         fill_masks(guides, batched, list(range(1, rows + 1)))
         assert (batched[1:] == alone).all() and not batched[0].any()
         assert len({alone[i].tobytes() for i in range(rows)}) > 1  # the rows differ
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0], [1]])
+def test_token_masks_reach_only_the_guided_rows(device: str, rows: list[int]) -> None:
+    """Every row guided in order, some rows out of order, one row: each guided row keeps the
+    tokens its mask allows, the other rows are untouched (a vocabulary not a multiple of 32)."""
+    vocab = 70
+    masks = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(len(rows), 3)).astype(
+        np.int32)
+    logits = torch.zeros(3, vocab, device=device)
+    apply_token_masks(logits, np.asarray(rows), masks)
+    allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    expected = torch.zeros(3, vocab)
+    for mask, row in zip(allowed, rows):
+        expected[row, torch.from_numpy(mask == 0)] = float("-inf")
+    assert torch.equal(logits.cpu(), expected)

@@ -108,12 +108,17 @@ def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.nd
     import xgrammar as xgr
 
     words = mask_words(logits.shape[-1])
+    indices: list[int] | torch.Tensor | None = None
     if len(batch_rows) == logits.shape[0] and (batch_rows == np.arange(len(batch_rows))).all():
         full = masks.reshape(len(batch_rows), words)  # every row guided, in order
     else:
         full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all allowed
         full[batch_rows] = masks.reshape(len(batch_rows), words)
-    # Through pinned memory: a copy from ordinary memory would wait for the forward to end.
+        # On a GPU as a device tensor: xgrammar copies a list from ordinary memory, which
+        # waits for the forward to end.
+        indices = (host_to_device(batch_rows, logits.device, torch.int32)
+                   if logits.device.type == "cuda" else [int(r) for r in batch_rows])
+    # Through pinned memory, for the same reason.
     bitmask = host_to_device(full, logits.device)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                    indices=[int(r) for r in batch_rows])
+                                    indices=indices)
