@@ -23,11 +23,11 @@ from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import LogitControls, LogprobReport, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
-from minisgl_backend.engine.mask_buffer import MASKS_FILE, MaskBuffer
+from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
-from minisgl_backend.grammar import apply_token_masks, mask_words
+from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
@@ -135,7 +135,7 @@ class Engine:
         backend = "nccl" if device_type == "cuda" else "gloo"
         init_process_group(rank, config.tp_size, init_file, backend)
         # The scheduler's mask buffer: in the same private folder as the rendezvous file.
-        self._masks_path = os.path.join(os.path.dirname(init_file), MASKS_FILE)
+        self._private_dir = os.path.dirname(init_file)
         self._mask_buffer: MaskBuffer | None = None
         self.model_config = ModelConfig.from_folder(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
@@ -279,8 +279,8 @@ class Engine:
         """The step's guided rows' masks, in the scheduler's mask buffer (mapped on first use;
         `apply_token_masks` copies them out before this step is finished)."""
         if self._mask_buffer is None:
-            self._mask_buffer = MaskBuffer(self._masks_path, self.config.max_samples,
-                                           mask_words(self.model_config.vocab_size))
+            self._mask_buffer = MaskBuffer.of_engine(self._private_dir, self.config,
+                                                     self.model_config.vocab_size)
         return self._mask_buffer.view(int(msg.mask_half[0]), len(msg.guide_rows))
 
     @torch.inference_mode()

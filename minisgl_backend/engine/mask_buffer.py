@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.grammar import mask_words
+
 MASKS_FILE = "guide-masks"
 
 
@@ -30,6 +33,14 @@ class MaskBuffer:
             with open(self.path, "wb") as f:  # sparse: pages exist once written
                 f.truncate(int(np.prod(shape)) * 4)
         self._array = np.memmap(self.path, dtype=np.int32, mode="r+", shape=shape)
+
+    @classmethod
+    def of_engine(cls, folder: str | Path, config: EngineConfig, vocab_size: int,
+                  create: bool = False) -> MaskBuffer:
+        """The buffer in an engine's private `folder`: a row for every sample one step may
+        take, of the vocabulary's mask words."""
+        return cls(Path(folder) / MASKS_FILE, config.max_samples, mask_words(vocab_size),
+                   create)
 
     @property
     def slots(self) -> int:

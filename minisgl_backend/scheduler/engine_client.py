@@ -15,9 +15,8 @@ from pathlib import Path
 
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.engine.mask_buffer import MASKS_FILE, MaskBuffer
+from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.worker import run_engine_process
-from minisgl_backend.grammar import mask_words
 
 
 class EngineDeadError(RuntimeError):
@@ -49,8 +48,8 @@ class EngineClient:
         self.num_pages = int(ready[0]["num_pages"][0])
         self.max_seq_len = int(ready[0]["max_seq_len"][0])
         # Where the scheduler writes the guided rows' token masks for the ranks to read.
-        self.masks = MaskBuffer(Path(self._tmpdir) / MASKS_FILE, config.max_samples,
-                                mask_words(int(ready[0]["vocab_size"][0])), create=True)
+        self.masks = MaskBuffer.of_engine(self._tmpdir, config, int(ready[0]["vocab_size"][0]),
+                                          create=True)
 
     @property
     def private_dir(self) -> str:
