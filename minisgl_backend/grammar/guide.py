@@ -71,7 +71,7 @@ class Guide:
         return bool(self.matcher.is_terminated())
 
 
-_per_thread = threading.local()  # BatchGrammarMatchers of a scheduler thread, by thread count
+_per_thread = threading.local()  # BatchGrammarMatchers of a scheduler thread
 FILL_THREADS_MAX = 4
 PARALLEL_FILL_ROWS = 128
 
@@ -92,14 +92,16 @@ def fill_masks(guides: list[Guide], masks: np.ndarray, indices: list[int]) -> No
     xgrammar's BatchGrammarMatcher on `fill_threads` threads."""
     if not guides:
         return
-    threads = fill_threads(len(guides))
+    # One matcher per side of PARALLEL_FILL_ROWS, made on first use (fill_threads reads the
+    # cgroup's files: once, not every step).
+    parallel = len(guides) >= PARALLEL_FILL_ROWS
     matchers = _per_thread.__dict__.setdefault("batch_matchers", {})
-    if threads not in matchers:
+    if parallel not in matchers:
         import xgrammar as xgr
 
-        matchers[threads] = xgr.BatchGrammarMatcher(threads)
-    matchers[threads].batch_fill_next_token_bitmask([g.matcher for g in guides], masks,
-                                                    indices=indices)
+        matchers[parallel] = xgr.BatchGrammarMatcher(fill_threads(len(guides)))
+    matchers[parallel].batch_fill_next_token_bitmask([g.matcher for g in guides], masks,
+                                                     indices=indices)
 
 
 def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.ndarray) -> None:

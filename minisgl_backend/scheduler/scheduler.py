@@ -393,20 +393,23 @@ class Scheduler:
                 # The masks wait on the engine: only the grammars follow the tokens first.
                 reply = self.engine.receive_step(self.config.step_timeout)
                 self._advance_guides(self.in_flight, reply)
-                self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
-                self.engine.send(MASKS_READY)
-                sent.masks_follow = []
+                self._send_masks(sent)
                 self._read_tokens(self.in_flight, reply)
             else:
                 self._read_tokens(self.in_flight)
         if sent is not None and sent.masks_follow:
-            self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
-            self.engine.send(MASKS_READY)
+            self._send_masks(sent)
         if sent is not None and sent.verifies:  # the next step's drafts need its tokens
             self.engine.flush()
             self._read_tokens(sent)
             sent = None
         self.in_flight = sent
+
+    def _send_masks(self, sent: _SentStep) -> None:
+        """Write the masks that follow step `sent` and tell the engine they are there."""
+        self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
+        self.engine.send(MASKS_READY)
+        sent.masks_follow = []
 
     def _send_next_step(self) -> _SentStep | None:
         """Schedule, send and account one step (its computed tokens become cached)."""
