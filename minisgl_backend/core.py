@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 from minisgl_backend.fields import Spec, is_int, is_number, spec_field, specs_of, validate
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from minisgl_backend.attention.base import AttentionBackend
@@ -293,10 +294,17 @@ class Req:
     explicit: bool = False
     drafted: int = 0
     accepted: int = 0
+    # LongRoPE: whether its KV takes the long frequencies (its prompt is past the pretraining
+    # length, or it crossed that length and was computed again), and where its prefill ends:
+    # the prompt, or after such a crossing every token so far.
+    long_rope: bool = False
+    prefill_len: int = 0
 
     def __post_init__(self) -> None:
         if self.max_device_len == 0:
             self.max_device_len = self.prompt_len + self.sampling_params.max_tokens
+        if self.prefill_len == 0:
+            self.prefill_len = self.prompt_len
 
     @property
     def output_ids(self) -> list[int]:
@@ -316,8 +324,9 @@ class Req:
 
     @property
     def prompt_done(self) -> bool:
-        """True once the step being scheduled (or an earlier one) covers the whole prompt."""
-        return self.device_len >= self.prompt_len
+        """True once the step being scheduled (or an earlier one) covers the whole prompt
+        (the whole prefill: after a LongRoPE crossing, every token so far)."""
+        return self.device_len >= self.prefill_len
 
 
 @dataclass
@@ -336,6 +345,9 @@ class Batch:
     # step's tokens) whose logits the model also computes, and those logits once it has.
     logit_tokens: torch.Tensor | None = None
     token_logits: torch.Tensor | None = None
+    # Prefill steps: per request, whether its KV takes LongRoPE's long frequencies (on cpu;
+    # `Req.long_rope`). None in decode steps, where a token's position tells.
+    long_rope: np.ndarray | None = None
 
     @property
     def size(self) -> int:

@@ -47,6 +47,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
               stop_at_eos: bool = False) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (one at a time, float32)."""
     model = _hf_model(str(model_dir))
+    if _longrope(model):
+        return [hf_greedy_whole(model, prompt, max_tokens) for prompt in prompts]
     outputs = []
     for prompt in prompts:
         extra = {} if stop_at_eos else {"eos_token_id": None}
@@ -55,3 +57,25 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
                                  do_sample=False, pad_token_id=0, **extra)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def _longrope(model: torch.nn.Module) -> bool:
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    return rope.get("rope_type") == "longrope"
+
+
+def hf_greedy_whole(model: torch.nn.Module, prompt: list[int], max_tokens: int,
+                    processors: list | None = None) -> list[int]:
+    """Greedy tokens from HF's forward of the whole sequence at every step (no KV cache),
+    logits processors applied. For LongRoPE this is what HF's generate computes: a sequence
+    crossing the pretraining length is computed whole again in the long frequencies
+    (`Phi3ForCausalLM.prepare_inputs_for_generation`), which some transformers versions'
+    generate got wrong at that step (5.17 computed the last token alone)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(ids, use_cache=False).logits[:, -1].float()
+            for processor in processors or []:
+                logits = processor(ids, logits)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()

@@ -47,9 +47,6 @@ def check_cold_and_warm(model: Path, **settings) -> None:  # noqa: ANN003
     assert sum(o.cached_tokens for o in warm) > 0
 
 
-# LongRoPE picks its frequencies by a request's length in each step, as HF does for a request
-# computed whole; a prompt chunked across the pretraining length has chunks HF never computes,
-# so Phi-3 with LongRoPE runs unchunked.
 CHUNK = TINY_SLIDING_WINDOW // 2 + 2  # shorter than the window, not a multiple of it
 
 
@@ -60,8 +57,7 @@ WINDOWED = ("mistral", "gemma3")
 def test_page_1_chunked_prefill_and_prefix_hits_equal_hf(models: dict[str, Path],
                                                          arch: str) -> None:
     chunk = CHUNK if arch in WINDOWED else 16  # few steps where no window is crossed
-    chunked = {} if arch == "phi3_longrope" else {"chunked_prefill_size": chunk}
-    check_cold_and_warm(models[arch], page_size=1, **chunked)
+    check_cold_and_warm(models[arch], page_size=1, chunked_prefill_size=chunk)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

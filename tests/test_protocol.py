@@ -185,7 +185,7 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
         prefill.add(req)
     batch, admitted = prefill.schedule([])
     assert batch == admitted == reqs
-    fake_scheduler = SimpleNamespace(cache=cache, guided_uids=set())
+    fake_scheduler = SimpleNamespace(cache=cache, guided_uids=set(), _long_rope_rows=[])
     fake_scheduler._admission = lambda msg, req: Scheduler._admission(  # type: ignore[attr-defined]
         fake_scheduler, msg, req)  # type: ignore[arg-type]
     msg = Scheduler._step_message(fake_scheduler, batch, admitted, True,  # type: ignore[arg-type]

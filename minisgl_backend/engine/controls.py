@@ -146,6 +146,11 @@ class LogitControls:
         self.counts[rows_t] = 0
         self.in_prompt[rows_t] = False
 
+    def count_from(self, rows: np.ndarray, lens: np.ndarray) -> None:
+        """Samples of rows `rows` count as output tokens (penalties) from `lens` tokens on:
+        a LongRoPE restart computes a row's output tokens again as prompt chunks."""
+        self.prompt_len[rows] = lens
+
     def _take_prompts(self, msg: StepMessage) -> None:
         """Whole prompts of rows that need them: into the token pool (bad-word prefixes may
         reach into a cached prefix, which no step sends) and the prompt mask (penalties)."""

@@ -188,6 +188,7 @@ class Engine:
                                       device=dev)
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
+        self.row_long = np.zeros(num_rows, dtype=bool)  # KV in LongRoPE's long frequencies
         # Sampling parameters per row, on the host: each sampled step uploads its rows' values
         # (and their seeded uniforms) in two copies.
         self.row_params = RowParams(num_rows)
@@ -246,6 +247,8 @@ class Engine:
             self._admit(msg)
         if len(msg.min_rows):
             self._set_min_lens(msg)
+        if len(msg.long_rope_rows):
+            self._start_long_rope(msg)
         self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
                             np.asarray(msg.page_counts, dtype=np.int64),
                             np.asarray(msg.new_pages, dtype=np.int64))
@@ -334,12 +337,21 @@ class Engine:
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
         self.row_pages[rows] = 0
         self.row_len[rows] = 0
+        self.row_long[rows] = False
         self.row_params.admit(rows, msg.admit)
         temps, top_k = self.row_params["temperature"][rows], self.row_params["top_k"][rows]
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
         self.row_filtered[rows] = (top_k > 0) | (self.row_params["top_p"][rows] < 1.0)
         self.row_min_len[rows] = 0
         self.controls.admit(msg)
+
+    def _start_long_rope(self, msg: StepMessage) -> None:
+        """Rows whose KV is computed in LongRoPE's long frequencies from this step on; a
+        restarted row's page list starts over (its new pages follow in this message)."""
+        rows = np.asarray(msg.long_rope_rows, dtype=np.int64)
+        self.row_long[rows] = True
+        self.row_pages[rows] = 0
+        self.controls.count_from(rows, np.asarray(msg.long_rope_lens, dtype=np.int64))
 
     def _set_min_lens(self, msg: StepMessage) -> None:
         counts = np.asarray(msg.min_stop_counts, dtype=np.int64)
@@ -407,7 +419,7 @@ class Engine:
         batch = Batch(phase="prefill", rows=host_to_device(rows, dev),
                       input_ids=input_ids.long(), positions=positions, out_slots=out_slots,
                       extend_lens=lens.tolist() + [1] * len(others),
-                      seq_lens=self.row_len[rows].tolist())
+                      seq_lens=self.row_len[rows].tolist(), long_rope=self.row_long[rows])
         if len(msg.context_rows):  # their prompt tokens' logits too
             picked = np.asarray(msg.context_rows, dtype=np.int64)
             offsets = np.cumsum(lens) - lens

@@ -113,6 +113,12 @@ class StepMessage:
     min_lens: Values = _array("int32")
     min_stop_counts: Values = _array("int32")
     min_stop_ids: Values = _array("int32")
+    # LongRoPE: rows whose KV is computed in the long frequencies from this step on (admitted
+    # with a prompt past the pretraining length, or restarted: a request crossing it is
+    # computed whole again, its page list starting over); per row, the tokens up to which its
+    # samples are prompt chunks' (not output tokens, for the penalties' counts).
+    long_rope_rows: Values = _array("int32")
+    long_rope_lens: Values = _array("int32")
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
     # Structured output: the rows (batch indices) whose next token a grammar constrains, and

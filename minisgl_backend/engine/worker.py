@@ -38,6 +38,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "num_pages": np.asarray([engine.num_pages], dtype=np.int64),
             "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
             "vocab_size": np.asarray([engine.model_config.vocab_size], dtype=np.int64),
+            "long_rope_from": np.asarray([engine.model_config.rope.long_from], dtype=np.int64),
         }))
         with profiled(f"engine-rank{rank}"):
             _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)

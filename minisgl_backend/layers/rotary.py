@@ -2,9 +2,11 @@
 arithmetic; on a GPU in half precision, FlashInfer's in-place kernel over a cos/sin table.
 
 LongRoPE (Phi-3) has two sets of frequencies: HF picks the long set for a forward whose
-sequence runs past the pretraining length, the short one otherwise. Here each request picks by
-its own length after the step (what HF's one-request-at-a-time generate does): its tokens look
-up the second half of the cos/sin table.
+sequence runs past the pretraining length, the short one otherwise, and its generate computes a
+sequence whole again when it crosses that length. Here each request's KV is computed with one
+set, which the scheduler chooses (`Req.long_rope`: the long one for a prompt past the length,
+and from a crossing on, which the scheduler computes whole again); its tokens then look up the
+second half of the cos/sin table.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class RotaryEmbedding:
             return cls(rope_inv_freq(head_dim, rope), max_positions)
         return cls(rope_inv_freq(head_dim, rope), max_positions,
                    long_inv_freq=_longrope_inv_freq(head_dim, rope, "long_factor"),
-                   long_from=rope.scaling["original_max_position_embeddings"],
+                   long_from=rope.long_from,
                    scaling=rope.scaling["attention_factor"])
 
     def to(self, device: torch.device) -> None:
@@ -100,13 +102,15 @@ class RotaryEmbedding:
 
     def table_rows(self, batch: Batch) -> torch.Tensor:
         """Each token's row of the cos/sin table: its position, plus max_positions where its
-        request takes LongRoPE's long frequencies (the positions themselves otherwise)."""
+        request's KV takes LongRoPE's long frequencies (the positions themselves otherwise)."""
         if self.long_inv_freq is None:
             return batch.positions
-        if batch.is_decode:  # a decode token's request holds position + 1 tokens
+        if batch.long_rope is None:
+            # A decode token: a request computing a position past the pretraining length is
+            # in the long set (the scheduler recomputes a request that crosses it first).
             long = batch.positions >= self.long_from
         else:
-            flags = np.repeat(np.asarray(batch.seq_lens) > self.long_from, batch.extend_lens)
+            flags = np.repeat(batch.long_rope, batch.extend_lens)
             long = host_to_device(flags, batch.positions.device)
         return batch.positions + long.to(batch.positions.dtype) * self.max_positions
 

@@ -32,6 +32,14 @@ class RopeConfig:
     # and attention_factor (the cos/sin scale, resolved at parse time as HF does).
     scaling: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def long_from(self) -> int:
+        """LongRoPE's pretraining length: a sequence longer than this is computed, whole, with
+        the long frequencies (0: not LongRoPE)."""
+        if self.rope_type != "longrope":
+            return 0
+        return int(self.scaling["original_max_position_embeddings"])
+
 
 @dataclass(frozen=True)
 class ModelConfig:

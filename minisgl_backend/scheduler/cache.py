@@ -18,10 +18,13 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: BasePrefixCache) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: BasePrefixCache,
+                 long_rope_from: int = 0) -> None:
+        """`long_rope_from`: the model's LongRoPE pretraining length (0: not LongRoPE)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = prefix_cache
+        self.long_rope_from = long_rope_from
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self.evicted_pages = 0  # pages taken back from the prefix cache so far
 
@@ -30,12 +33,47 @@ class CacheManager:
         """Pages that could be handed out now (free, or evictable from the prefix cache)."""
         return len(self.free_pages) + self.prefix_cache.evictable_pages
 
+    def takes_long_rope(self, length: int) -> bool:
+        """Whether a prefill of `length` tokens takes LongRoPE's long frequencies (HF's rule:
+        the forward's sequence is past the pretraining length)."""
+        return 0 < self.long_rope_from < length
+
+    def short_rope_room(self, req: Req) -> int:
+        """Positions `req` may still compute before it must be computed again (`restart_long`):
+        KV in LongRoPE's short frequencies covers positions below the pretraining length only.
+        Without LongRoPE, or once long, the request's whole reservation."""
+        if self.long_rope_from == 0 or req.long_rope:
+            return req.max_device_len - req.cached_len
+        return self.long_rope_from - req.cached_len
+
+    def _key(self, req: Req, length: int) -> list[int]:
+        """The prefix cache's key of `req`'s first `length` tokens. KV computed with LongRoPE's
+        long frequencies differs from the short ones' for the same tokens: it is keyed apart
+        (ids mapped below zero), so that a prefix hit never mixes the two."""
+        tokens = req.input_ids[:length]
+        return [-1 - t for t in tokens] if req.long_rope else tokens
+
     def match(self, req: Req) -> MatchResult:
-        """Longest cached prefix of the prompt, leaving at least one token to compute; locked.
+        """Longest cached prefix of the prefill, leaving at least one token to compute; locked.
         Nothing for a request that returns its prompt's logits: it computes every token."""
-        usable = 0 if wants_context_logits(req) else req.prompt_len - 1
-        match = self.prefix_cache.match(req.input_ids[:usable])
+        usable = 0 if wants_context_logits(req) else req.prefill_len - 1
+        match = self.prefix_cache.match(self._key(req, usable))
         self.prefix_cache.lock(match.handle)
+        return match
+
+    def restart_long(self, req: Req) -> MatchResult:
+        """A LongRoPE request crossed the pretraining length: HF computes it whole again with
+        the long frequencies. Its short-frequency KV goes to the prefix cache (for requests
+        that stay short), and its KV restarts from a long-frequency cached prefix (matched
+        and locked, returned) over every token so far, in new pages."""
+        self.release(req, cache=True)
+        req.long_rope = True
+        req.prefill_len = len(req.input_ids)
+        match = self.match(req)
+        req.cache_handle = match.handle
+        req.cached_len = req.device_len = match.cached_len
+        req.pages = list(match.pages)
+        req.pages_sent = 0
         return match
 
     def allocate(self, count: int) -> list[int]:
@@ -73,7 +111,7 @@ class CacheManager:
         length = req.cached_len - req.cached_len % self.page_size
         if length <= req.cache_handle.cached_len:
             return
-        shared = self.prefix_cache.match(req.input_ids[:length])
+        shared = self.prefix_cache.match(self._key(req, length))
         if shared.cached_len > req.cache_handle.cached_len and not self._locked(shared.handle):
             return
         handle = self._insert(req, length)
@@ -91,7 +129,7 @@ class CacheManager:
 
     def _insert(self, req: Req, length: int) -> CacheHandle:
         """Insert the first `length` tokens; the pages the cache takes leave `owned_pages`."""
-        result = self.prefix_cache.insert(req.input_ids[:length],
+        result = self.prefix_cache.insert(self._key(req, length),
                                           req.pages[: length // self.page_size])
         taken = req.pages[result.already_cached_len // self.page_size : length // self.page_size]
         req.owned_pages.difference_update(taken)

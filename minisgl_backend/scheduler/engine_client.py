@@ -47,6 +47,8 @@ class EngineClient:
             raise
         self.num_pages = int(ready[0]["num_pages"][0])
         self.max_seq_len = int(ready[0]["max_seq_len"][0])
+        # LongRoPE's pretraining length (0: the model has no LongRoPE).
+        self.long_rope_from = int(ready[0]["long_rope_from"][0])
         # Where the scheduler writes the guided rows' token masks for the ranks to read.
         self.masks = MaskBuffer.of_engine(self._tmpdir, config, int(ready[0]["vocab_size"][0]),
                                           create=True)

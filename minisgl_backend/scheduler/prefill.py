@@ -27,21 +27,30 @@ class PrefillManager:
         self.max_running = max_running
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt partly computed
+        # Running requests computed whole again (a LongRoPE crossing), first served.
+        self.restarting: deque[Req] = deque()
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
     def schedule(self, decoding: list[Req]) -> tuple[list[Req], list[Req]]:
         """(requests of this prefill step with `device_len` set, the newly admitted ones)."""
-        if self.chunked is None and not self.waiting:
+        if self.chunked is None and not self.waiting and not self.restarting:
             return [], []
         budget = self.chunk_size
         batch: list[Req] = []
-        running = decoding
+        running = [*decoding, *self.restarting]
         if self.chunked is not None:
-            running = [*decoding, self.chunked]
+            running.append(self.chunked)
             budget -= self._take_chunk(self.chunked, budget)
             batch.append(self.chunked)
+        for req in list(self.restarting):
+            if budget <= 0:
+                break
+            budget -= self._take_chunk(req, budget)
+            batch.append(req)
+            if req.prompt_done:
+                self.restarting.remove(req)
         admitted: list[Req] = []
         reserved = sum(self._future_pages(r) for r in running)
         num_running = len(running)
@@ -61,7 +70,8 @@ class PrefillManager:
             budget -= self._take_chunk(req, budget)
             batch.append(req)
         self.waiting.extendleft(reversed(held))
-        self.chunked = next((r for r in batch if not r.prompt_done), None)
+        self.chunked = next((r for r in batch if not r.prompt_done
+                             and r not in self.restarting), None)
         return batch, admitted
 
     def _future_pages(self, req: Req) -> int:
@@ -71,6 +81,7 @@ class PrefillManager:
         """Give `req` a row and its cached prefix if its KV fits; return its future pages."""
         if self.rows.num_free == 0:
             return None
+        req.long_rope = self.cache.takes_long_rope(req.prompt_len)
         match = self.cache.match(req)
         need = pages_for(req.max_device_len, self.cache.page_size) - len(match.pages)
         if need > self.cache.available_pages - reserved:
@@ -85,18 +96,26 @@ class PrefillManager:
         return need
 
     def _take_chunk(self, req: Req, budget: int) -> int:
-        size = min(budget, req.prompt_len - req.cached_len)
+        size = min(budget, req.prefill_len - req.cached_len)
         req.device_len = req.cached_len + size
         return size
 
     @property
     def has_work(self) -> bool:
-        return self.chunked is not None or any(_first_sample_cached(r) for r in self.waiting)
+        return self.chunked is not None or bool(self.restarting) or any(
+            _first_sample_cached(r) for r in self.waiting)
+
+    def restart(self, req: Req) -> None:
+        """Compute a running request whole again (its KV restarted: `CacheManager.restart_long`)."""
+        self.restarting.append(req)
 
     def remove(self, req: Req) -> bool:
         """Drop a request that has not finished its prompt (aborted); True if it was here."""
         if self.chunked is req:
             self.chunked = None
+            return True
+        if req in self.restarting:
+            self.restarting.remove(req)
             return True
         try:
             self.waiting.remove(req)

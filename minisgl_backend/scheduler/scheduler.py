@@ -113,12 +113,13 @@ class _Abort:
 def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
     """Record that a step computed `req`'s scheduled tokens; True if its sampled token counts.
 
-    A request that just finished its prompt shares the prompt through the prefix cache and
-    starts decoding; a chunk of a longer prompt samples a meaningless token.
+    A request that just finished its prompt (or its LongRoPE restart, `prefill_len`) shares it
+    through the prefix cache and starts decoding; a chunk of a longer prompt samples a
+    meaningless token.
     """
-    was_prefilling = req.cached_len < req.prompt_len
+    was_prefilling = req.cached_len < req.prefill_len
     req.cached_len = req.device_len
-    if req.cached_len < req.prompt_len:
+    if req.cached_len < req.prefill_len:
         return False
     if was_prefilling:
         cache.cache_prefix(req)
@@ -153,13 +154,18 @@ class Scheduler:
         self.engine = engine or EngineClient(config.engine)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
-                                  create_prefix_cache(config.cache, page_size))
+                                  create_prefix_cache(config.cache, page_size),
+                                  self.engine.long_rope_from)
         self.rows = RowAllocator(config.engine.max_running_requests)
         self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
                                       config.engine.max_running_requests)
         self.decode = DecodeManager()
-        self.speculator = Speculator(config.speculative, config.jump_forward,
-                                     config.engine.samples_per_row - 1)
+        self.speculator = Speculator(
+            config.speculative, config.jump_forward, config.engine.samples_per_row - 1,
+            self.cache.short_rope_room if self.engine.long_rope_from else None)
+        # Rows whose KV restarts in the long frequencies with the next step (LongRoPE), and
+        # how many tokens that restart computes.
+        self._long_rope_rows: list[tuple[int, int]] = []
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
@@ -376,11 +382,17 @@ class Scheduler:
         tracker.fail("abort", "the request was cancelled")
 
     def _step(self) -> None:
-        if self.in_flight is not None and self.speculator.may_draft(
-                len(self.decode.running), bool(self.guided_uids), self.num_steps):
-            self.engine.flush()  # drafts follow from the tokens of the step in flight
+        crossing = self.engine.long_rope_from > 0 and self._crossing()
+        if self.in_flight is not None and (crossing or self.speculator.may_draft(
+                len(self.decode.running), bool(self.guided_uids), self.num_steps)):
+            # Drafts, and a LongRoPE restart's tokens, follow from the tokens of the step in
+            # flight.
+            self.engine.flush()
             self._read_tokens(self.in_flight)
             self.in_flight = None
+        if crossing:
+            for req in self._crossing():
+                self._restart_long(req)
         sent = self._send_next_step()
         if not self.overlap:
             self._read_tokens(sent)
@@ -404,6 +416,22 @@ class Scheduler:
             self._read_tokens(sent)
             sent = None
         self.in_flight = sent
+
+    def _crossing(self) -> list[Req]:
+        """Running requests whose next token is past LongRoPE's pretraining length while their
+        KV is in the short frequencies."""
+        return [req for req in self.decode.running.values()
+                if self.cache.short_rope_room(req) <= 0]
+
+    def _restart_long(self, req: Req) -> None:
+        """HF computes a sequence crossing LongRoPE's pretraining length whole again in the
+        long frequencies: so does the next prefill step, for every token of `req` so far
+        (its sampled token comes from there, and counts)."""
+        self.decode.remove(req)
+        req.drafts, req.explicit = [], False
+        self.cache.restart_long(req)
+        self._long_rope_rows.append((req.table_idx, req.prefill_len))
+        self.prefill.restart(req)
 
     def _send_masks(self, sent: _SentStep) -> None:
         """Write the masks that follow step `sent` and tell the engine they are there."""
@@ -473,7 +501,7 @@ class Scheduler:
         running = list(self.decode.running.values())
         if self.prefill.chunked is not None:
             running.append(self.prefill.chunked)
-        return running
+        return running + list(self.prefill.restarting)
 
     def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool,
                       num_given: int) -> StepMessage:
@@ -488,13 +516,20 @@ class Scheduler:
                 msg.new_pages.extend(req.pages[req.pages_sent :])
                 req.pages_sent = len(req.pages)
             if i < num_given:
-                if req.cached_len < req.prompt_len and wants_context_logits(req):
+                if req.cached_len < req.prompt_len == req.prefill_len and \
+                        wants_context_logits(req):
                     msg.context_rows.append(i)
                 msg.starts.append(req.cached_len)
                 msg.extend_lens.append(req.extend_len)
                 msg.tokens.extend(req.step_tokens)
         for req in admitted:
             self._admission(msg, req)
+            if req.long_rope:
+                self._long_rope_rows.append((req.table_idx, req.prompt_len))
+        for row, length in self._long_rope_rows:
+            msg.long_rope_rows.append(row)
+            msg.long_rope_lens.append(length)
+        self._long_rope_rows.clear()
         if self.guided_uids:
             guided = self._guided_rows(batch)
             msg.guide_rows = _slots_of(batch, guided)
@@ -622,6 +657,7 @@ class Scheduler:
         self.guided_uids.clear()
         self.prefill.waiting.clear()
         self.prefill.chunked = None
+        self.prefill.restarting.clear()
         self.decode.running.clear()
         self.in_flight = None
 

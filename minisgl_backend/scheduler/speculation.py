@@ -17,6 +17,7 @@ whose drafts are rarely kept stops getting drafts; after a step in which no row 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from minisgl_backend.core import Req
 from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, create_proposer
@@ -26,9 +27,13 @@ MAX_BACKOFF = 64  # decode steps at most between two tries when nothing could be
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, jump_forward: bool, max_drafts: int) -> None:
-        """`max_drafts`: what the engine was sized for (`EngineConfig.samples_per_row` - 1)."""
+    def __init__(self, config: SpeculativeConfig, jump_forward: bool, max_drafts: int,
+                 room: Callable[[Req], int] | None = None) -> None:
+        """`max_drafts`: what the engine was sized for (`EngineConfig.samples_per_row` - 1).
+        `room(req)`: the positions a request may compute before its KV restarts (LongRoPE's
+        crossing, `CacheManager.short_rope_room`); a verify row stays within them."""
         self.config = config
+        self.room = room
         self.jump_forward = jump_forward and max_drafts > 0
         self.max_drafts = min(max_drafts, config.num_speculative_tokens)
         self.proposer = create_proposer(config)
@@ -70,6 +75,8 @@ class Speculator:
     def _drafts(self, req: Req) -> list[int]:
         # The row's tokens after the drafts stay within max_tokens (what admission reserved).
         limit = min(self.max_drafts, req.sampling_params.max_tokens - len(req.output_ids) - 1)
+        if self.room is not None:  # the last sampled token takes a position too
+            limit = min(limit, self.room(req) - 1)
         if limit <= 0:
             return []
         drafts: list[int] = []

@@ -17,6 +17,7 @@ class InstantEngine:
     def __init__(self, num_pages: int, max_seq_len: int, token: int = 5) -> None:
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
+        self.long_rope_from = 0  # no LongRoPE
         self.token = token
         self.steps_received = 0
         self._pending: deque[int] = deque()  # batch sizes of steps not answered yet
