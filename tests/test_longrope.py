@@ -56,7 +56,8 @@ def test_the_restart_changes_the_output(model: Path) -> None:
     {"page_size": 1, "chunked_prefill_size": 16},
     {"page_size": 16, "overlap": False},
     {"page_size": 4, "tp_size": 2},
-], ids=["page1-chunked", "page16-no-overlap", "page4-tp2"])
+    {"page_size": 16, "mixed_prefill": True, "chunked_prefill_size": 8},
+], ids=["page1-chunked", "page16-no-overlap", "page4-tp2", "mixed-chunk8"])
 def test_crossing_requests_equal_hf(model: Path, settings: dict) -> None:
     prompts = crossing_prompts()
     assert run(model, prompts, **settings) == hf_greedy(model, prompts, MAX_TOKENS)
@@ -120,3 +121,44 @@ def test_drafts_end_before_the_length() -> None:
     req.device_len, req.long_rope = 29, True
     speculator.draft([req], set(), 0)
     assert len(req.drafts) == 4
+
+
+def test_restart_caches_the_short_kv_and_starts_the_long_one_apart() -> None:
+    from minisgl_backend.core import Req
+    from minisgl_backend.kvcache import create_prefix_cache
+    from minisgl_backend.scheduler.cache import CacheManager
+    from minisgl_backend.scheduler.prefill import PrefillManager
+    from minisgl_backend.scheduler.table import RowAllocator
+
+    cache = CacheManager(32, 4, create_prefix_cache("radix", 4), long_rope_from=8)
+    prefill = PrefillManager(cache, RowAllocator(2), chunk_size=64, max_running=2)
+    req = Req(uid=0, input_ids=list(range(10, 16)), prompt_len=6, sampling_params=GREEDY,
+              seed=0)
+    prefill.add(req)
+    assert prefill.schedule([])[0] == [req] and not req.long_rope
+    req.cached_len = 6
+    cache.grow(req)
+    cache.cache_prefix(req)
+    req.input_ids += [20, 21, 22]  # two decode steps, then the token of the crossing step
+    req.cached_len = req.device_len = 8
+    cache.grow(req)
+    assert cache.short_rope_room(req) == 0
+    short_pages = list(req.pages)
+
+    cache.restart_long(req)
+    prefill.restart(req)
+    assert req.long_rope and req.prefill_len == 9 and req.cached_len == 0 and not req.pages
+    # The short KV of the first 8 tokens is cached for short requests, not for long ones.
+    short_twin = Req(uid=1, input_ids=req.input_ids[:8] + [1], prompt_len=9,
+                     sampling_params=GREEDY, seed=0)
+    assert cache.prefix_cache.match(short_twin.input_ids[:8]).pages == short_pages
+    short_twin.long_rope = True
+    assert cache.match(short_twin).cached_len == 0
+    cache.check_accounting([req])
+    # The restart computes every token so far in one prefill chunk; then it decodes.
+    batch, admitted = prefill.schedule([])
+    assert batch == [req] and not admitted and req.device_len == 9 and req.prompt_done
+    assert not prefill.restarting and not prefill.has_work
+    # Aborted while restarting: nothing is left behind.
+    prefill.restart(req)
+    assert prefill.remove(req) and not prefill.restarting
