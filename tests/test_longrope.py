@@ -148,6 +148,7 @@ def test_restart_caches_the_short_kv_and_starts_the_long_one_apart() -> None:
     cache.restart_long(req)
     prefill.restart(req)
     assert req.long_rope and req.prefill_len == 9 and req.cached_len == 0 and not req.pages
+    assert req.cache_handle is None  # it holds nothing until its restart starts
     # The short KV of the first 8 tokens is cached for short requests, not for long ones.
     short_twin = Req(uid=1, input_ids=req.input_ids[:8] + [1], prompt_len=9,
                      sampling_params=GREEDY, seed=0)
@@ -162,3 +163,17 @@ def test_restart_caches_the_short_kv_and_starts_the_long_one_apart() -> None:
     # Aborted while restarting: nothing is left behind.
     prefill.restart(req)
     assert prefill.remove(req) and not prefill.restarting
+
+
+def test_scarce_kv_restarts_wait_for_their_pages(model: Path) -> None:
+    """Four samples of one prompt share its cached KV (6 pages each of 4 tokens, plus 4 own
+    pages); each restart needs all 10 of its pages anew, which the pool cannot give the four
+    at once: they wait, one after another, and every output is HF's."""
+    prompt = crossing_prompts()[1]  # 25 tokens: 37 with the output, past 32
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=4)
+    with LLM(model, device="cpu", debug_checks=True, page_size=4,
+             max_total_tokens=24 * 4) as llm:
+        assert llm.scheduler.cache.num_pages < 4 * 10
+        out = [o.token_ids for o in llm.generate([prompt], params)]
+        assert llm.scheduler.peak_running == 4
+    assert out == hf_greedy(model, [prompt], MAX_TOKENS) * 4

@@ -61,20 +61,18 @@ class CacheManager:
         self.prefix_cache.lock(match.handle)
         return match
 
-    def restart_long(self, req: Req) -> MatchResult:
+    def restart_long(self, req: Req) -> None:
         """A LongRoPE request crossed the pretraining length: HF computes it whole again with
         the long frequencies. Its short-frequency KV goes to the prefix cache (for requests
-        that stay short), and its KV restarts from a long-frequency cached prefix (matched
-        and locked, returned) over every token so far, in new pages."""
+        that stay short) and it holds no pages until its restart starts
+        (`PrefillManager.schedule`: from a long-frequency cached prefix, over every token so
+        far). Holding none meanwhile, it can always start once the running requests end."""
         self.release(req, cache=True)
         req.long_rope = True
         req.prefill_len = len(req.input_ids)
-        match = self.match(req)
-        req.cache_handle = match.handle
-        req.cached_len = req.device_len = match.cached_len
-        req.pages = list(match.pages)
+        req.cached_len = req.device_len = 0
+        req.pages = []
         req.pages_sent = 0
-        return match
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free_pages):

@@ -27,7 +27,8 @@ class PrefillManager:
         self.max_running = max_running
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # admitted, prompt partly computed
-        # Running requests computed whole again (a LongRoPE crossing), first served.
+        # Running requests computed whole again (a LongRoPE crossing), first served. One
+        # holds no pages (`cache_handle` None) until its KV fits and its restart starts.
         self.restarting: deque[Req] = deque()
 
     def add(self, req: Req) -> None:
@@ -39,21 +40,30 @@ class PrefillManager:
             return [], []
         budget = self.chunk_size
         batch: list[Req] = []
-        running = [*decoding, *self.restarting]
+        restarts = list(self.restarting)
+        running = [*decoding, *(r for r in restarts if r.cache_handle is not None)]
         if self.chunked is not None:
             running.append(self.chunked)
             budget -= self._take_chunk(self.chunked, budget)
             batch.append(self.chunked)
-        for req in list(self.restarting):
+        reserved = sum(self._future_pages(r) for r in running)
+        for req in restarts:
             if budget <= 0:
                 break
+            if req.cache_handle is None:  # its restart starts if its KV fits (else it waits)
+                need = self._take_cached_prefix(req, reserved)
+                if need is None:
+                    break
+                reserved += need
             budget -= self._take_chunk(req, budget)
             batch.append(req)
             if req.prompt_done:
                 self.restarting.remove(req)
+        # Restarts still waiting hold rows, and admissions leave room for their KV.
+        reserved += sum(self._future_pages(r) for r in self.restarting
+                        if r.cache_handle is None)
         admitted: list[Req] = []
-        reserved = sum(self._future_pages(r) for r in running)
-        num_running = len(running)
+        num_running = len(decoding) + len(restarts) + (self.chunked is not None)
         held: list[Req] = []
         while budget > 0 and self.waiting and num_running < self.max_running:
             req = self.waiting[0]
@@ -82,16 +92,25 @@ class PrefillManager:
         if self.rows.num_free == 0:
             return None
         req.long_rope = self.cache.takes_long_rope(req.prompt_len)
+        need = self._take_cached_prefix(req, reserved)
+        if need is None:
+            return None
+        req.table_idx = self.rows.allocate()
+        req.prefix_hit_len = req.cached_len
+        req.reused_pages = len(req.pages)
+        return need
+
+    def _take_cached_prefix(self, req: Req, reserved: int) -> int | None:
+        """If the KV `req` could ever need fits beside `reserved` pages, start its prefill
+        after its cached prefix (locked) and return its future pages; else None."""
         match = self.cache.match(req)
         need = pages_for(req.max_device_len, self.cache.page_size) - len(match.pages)
         if need > self.cache.available_pages - reserved:
             self.cache.prefix_cache.unlock(match.handle)
             return None
-        req.table_idx = self.rows.allocate()
         req.cache_handle = match.handle
-        req.cached_len = req.device_len = req.prefix_hit_len = match.cached_len
+        req.cached_len = req.device_len = match.cached_len
         req.pages = list(match.pages)
-        req.reused_pages = len(match.pages)
         req.pages_sent = 0
         return need
 
