@@ -524,8 +524,6 @@ class Scheduler:
                 msg.tokens.extend(req.step_tokens)
         for req in admitted:
             self._admission(msg, req)
-            if req.long_rope:
-                self._long_rope_rows.append((req.table_idx, req.prompt_len))
         for row, length in self._long_rope_rows:
             msg.long_rope_rows.append(row)
             msg.long_rope_lens.append(length)
@@ -573,12 +571,16 @@ class Scheduler:
         fill_masks(plain, masks, plain_slots)
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
-        """What the engine needs of a newly admitted request: its per-row controls, and its
-        prompt, bias entries and bad-word sequences where it uses them."""
+        """What the engine needs of a newly admitted request: its per-row controls, LongRoPE's
+        long frequencies where its prompt takes them, and its prompt, bias entries and
+        bad-word sequences where it uses them."""
         p, row = req.sampling_params, req.table_idx
         msg.admit_rows.append(row)
         for name, value in p.row_values(seed_to_int64(req.seed)).items():
             msg.admit.setdefault(name, []).append(value)
+        if req.long_rope:  # a prompt past LongRoPE's pretraining length
+            msg.long_rope_rows.append(row)
+            msg.long_rope_lens.append(req.prompt_len)
         if p.uses_penalties or any(len(seq) > 1 for seq in req.bans):
             msg.prompt_rows.append(row)
             msg.prompt_counts.append(req.prompt_len)
