@@ -48,21 +48,34 @@ def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, max_
 
 
 @triton.jit
+def row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2: tl.constexpr):
+    """A row's chunk maxima (written per chunk by a first kernel): (chunk numbers padded to
+    CHUNKS_P2, their maxima, -inf in the padding, and the row's max)."""
+    chunks = tl.arange(0, CHUNKS_P2)
+    chunk_max = tl.load(max_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                        other=float("-inf"))
+    return chunks, chunk_max, tl.max(chunk_max, 0)
+
+
+@triton.jit
+def row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max):
+    """Each chunk's sum of exp(x - chunk max), rescaled to the row's max (0 for a chunk of -inf
+    only, and in the padding)."""
+    mass = tl.load(sum_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0)
+    return tl.where(chunk_max == float("-inf"), 0.0, mass * tl.exp(chunk_max - row_max))
+
+
+@triton.jit
 def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, max_ptr,
                  argmax_ptr, sum_ptr, out_ptr, vocab, num_chunks, CHUNK: tl.constexpr,
                  CHUNKS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS_P2)
-    valid = chunks < num_chunks
-    stats = row * num_chunks + chunks
-    chunk_max = tl.load(max_ptr + stats, mask=valid, other=float("-inf"))
-    row_max = tl.max(chunk_max, 0)
+    chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
     if _is_greedy(temperature_ptr, top_k_ptr, row):
         best = tl.min(tl.where(chunk_max == row_max, chunks, CHUNKS_P2), 0)
         tl.store(out_ptr + row, tl.load(argmax_ptr + row * num_chunks + best).to(tl.int64))
     else:
-        mass = tl.load(sum_ptr + stats, mask=valid, other=0.0)
-        mass = tl.where(chunk_max == float("-inf"), 0.0, mass * tl.exp(chunk_max - row_max))
+        mass = row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max)
         cdf = tl.cumsum(mass, 0)
         target = (tl.load(uniform_ptr + row).to(tl.float64) * tl.sum(mass, 0).to(tl.float64)
                   ).to(tl.float32)

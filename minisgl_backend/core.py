@@ -289,11 +289,13 @@ class Req:
     guide: Any = None
     # Speculative decoding: the draft tokens the step being scheduled verifies after the last
     # sampled token; `explicit`: the engine's row length is past the request's (drafts were
-    # rejected), so its next step sends its start and last token; drafts and accepted so far.
+    # rejected), so its next step sends its start and last token; drafts and accepted so far,
+    # and the drafts that met a verdict (the kept ones, and the first rejected one per step).
     drafts: list[int] = field(default_factory=list)
     explicit: bool = False
     drafted: int = 0
     accepted: int = 0
+    judged: int = 0
     # LongRoPE: whether its KV takes the long frequencies (its prompt is past the pretraining
     # length, or it crossed that length and was computed again), and where its prefill ends:
     # the prompt, or after such a crossing every token so far.

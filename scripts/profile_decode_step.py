@@ -9,42 +9,61 @@ then the host ops of one request's (eager) prefill.
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 1 64
     python scripts/profile_decode_step.py --shape qwen3-0.6b --batch-sizes 256 --prompt-len 800 \
         --temperature 0.6 --backends triton --trace    # like the offline workload's middle
+    python scripts/profile_decode_step.py --backends triton --temperature 0.7 \
+        --controls none repetition_penalty logprobs    # what a sampling control costs a step
+
+`--controls` names configurations of scripts/bench_sampling_controls.py (none, all, or one
+control); every request of a configuration uses it, admitted as the scheduler admits it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from minisgl_backend.benchmark.cli import markdown_table
 from minisgl_backend.benchmark.shapes import shape_config, write_config
+from minisgl_backend.core import Req, SamplingParams
 from minisgl_backend.distributed import destroy_process_group
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.engine import Engine
 from minisgl_backend.engine.protocol import StepMessage
+from minisgl_backend.scheduler.scheduler import add_admission
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sampling_controls import configurations
 
 PROMPT_LEN = 32
 
 
 def step_messages(engine: Engine, bs: int, steps: int, prompt_len: int = PROMPT_LEN,
-                  temperature: float = 0.0) -> tuple[StepMessage, list[StepMessage]]:
-    """A prefill admitting `bs` requests, then `steps` decode steps (pages added as needed)."""
+                  temperature: float = 0.0, controls: dict[str, Any] | None = None
+                  ) -> tuple[StepMessage, list[StepMessage]]:
+    """A prefill admitting `bs` requests (each with the SamplingParams fields `controls`),
+    then `steps` decode steps (pages added as needed)."""
     ps = engine.page_size
     pages_per_req = -(-(prompt_len + steps + 1) // ps)
     page_of = {r: list(range(r * pages_per_req, (r + 1) * pages_per_req)) for r in range(bs)}
     first = -(-prompt_len // ps)
+    prompts = [[(7 * r + i) % 1000 + 5 for i in range(prompt_len)] for r in range(bs)]
     prefill = StepMessage(
         is_prefill=True, rows=list(range(bs)), starts=[0] * bs, extend_lens=[prompt_len] * bs,
-        tokens=[(7 * r + i) % 1000 + 5 for r in range(bs) for i in range(prompt_len)],
+        tokens=[t for prompt in prompts for t in prompt],
         page_rows=list(range(bs)), page_counts=[first] * bs,
-        new_pages=[p for r in range(bs) for p in page_of[r][:first]],
-        admit_rows=list(range(bs)),
-        admit={"temperature": [temperature] * bs, "seed": list(range(bs))})
+        new_pages=[p for r in range(bs) for p in page_of[r][:first]])
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 1, **(controls or {}))
+    for r, prompt in enumerate(prompts):
+        req = Req(uid=r, input_ids=prompt, prompt_len=prompt_len, sampling_params=params,
+                  seed=r, table_idx=r)
+        req.bans = tuple(tuple(seq) for seq in params.bad_token_ids)
+        add_admission(prefill, req, [])
     decodes = []
     for step in range(steps):
         length = prompt_len + step + 1  # tokens with KV after this step
@@ -63,7 +82,8 @@ def start_requests(engine: Engine, bs: int, steps: int, args: argparse.Namespace
     that prefill's message and the `steps` decode messages that follow it."""
     engine.page_table.fill_(engine.kv_pool.dummy_page)
     engine.row_pages[:] = 0
-    prefill, decodes = step_messages(engine, bs, steps, args.prompt_len, args.temperature)
+    prefill, decodes = step_messages(engine, bs, steps, args.prompt_len, args.temperature,
+                                     args.control_settings)
     engine.launch(prefill).wait()
     return prefill, decodes
 
@@ -145,9 +165,11 @@ def print_trace(engine: Engine, bs: int, args: argparse.Namespace) -> None:
         for msg in decodes[20:]:
             engine.launch(msg).wait()
     averages = prof.key_averages()
-    print(f"10 decode steps at batch {bs}: host ops by own CPU time")
+    print(f"10 decode steps at batch {bs}, controls {args.control_name}: host ops by own CPU "
+          "time")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
-    print(f"10 decode steps at batch {bs}: GPU kernels (CUDA-graph replays included)")
+    print(f"10 decode steps at batch {bs}, controls {args.control_name}: GPU kernels "
+          "(CUDA-graph replays included)")
     print(averages.table(sort_by="self_device_time_total", row_limit=25))
 
 
@@ -164,6 +186,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--controls", nargs="+", default=["none"],
+                        choices=list(configurations(1000, each=True)),
+                        help="sampling-control configurations of bench_sampling_controls.py")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,8 +200,11 @@ def main() -> None:
                 max_total_tokens=max(args.batch_sizes) * (args.prompt_len + args.steps + 64),
                 cuda_graph_max_bs=args.cuda_graph_max_bs)
             engine = Engine(config, 0, str(Path(tmp) / f"store-{backend}"))
-            for bs in args.batch_sizes:
-                rows.append([backend, *profile(engine, bs, args)])
+            known = configurations(engine.model_config.vocab_size, each=True)
+            for name in args.controls:
+                args.control_name, args.control_settings = name, known[name]
+                for bs in args.batch_sizes:
+                    rows.append([backend, name, *profile(engine, bs, args)])
             if args.trace:
                 print_prefill_trace(engine, args)
             del engine
@@ -184,7 +212,7 @@ def main() -> None:
     sampling = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
     print(f"shape {args.shape}, page size {args.page_size}, {sampling}, prompt "
           f"{args.prompt_len} tokens, {args.steps} steps")
-    print(markdown_table(["backend", "batch", "graph replay ms", "launch host ms",
+    print(markdown_table(["backend", "controls", "batch", "graph replay ms", "launch host ms",
                           "serial step ms", "pipelined step ms", "pipelined tok/s"], rows))
 
 

@@ -228,3 +228,108 @@ def test_invalid_settings_name_the_setting(settings: dict, field: str) -> None:
 
 def test_speculation_is_off_by_default() -> None:
     assert not SpeculativeConfig().enabled
+
+
+def _verify_row(speculator, req, drafts: list[int], sampled: list[int]) -> list[int]:
+    """One verify step of `req` with these drafts and slot samples, as the scheduler runs it."""
+    req.drafts = list(drafts)
+    req.cached_len = req.device_len = len(req.input_ids) + len(drafts)
+    return speculator.settle(req, sampled)
+
+
+def test_acceptance_is_judged_on_the_drafts_that_met_a_verdict() -> None:
+    from minisgl_backend.core import Req
+    from minisgl_backend.scheduler.speculation import Speculator, acceptance_rate
+
+    config = SpeculativeConfig(speculative="ngram", num_speculative_tokens=4,
+                               speculative_min_acceptance=0.3)
+    spec = Speculator(config, jump_forward=False, max_drafts=4)
+    req = Req(uid=0, input_ids=[1, 2, 3], prompt_len=3,
+              sampling_params=SamplingParams(max_tokens=100), seed=0)
+    # The first draft kept, the second rejected: the last two were never compared.
+    assert _verify_row(spec, req, [4, 5, 6, 7], [4, 9, 6, 7, 8]) == [4, 9]
+    assert (req.drafted, req.accepted, req.judged) == (4, 1, 2)
+    assert _verify_row(spec, req, [4, 5], [4, 5, 6]) == [4, 5, 6]  # all kept: no rejection
+    assert (req.drafted, req.accepted, req.judged) == (6, 3, 4)
+    # Steps that keep one draft of four, then reject: 1 kept of 2 judged, though 1 of 4 sent.
+    req = Req(uid=1, input_ids=[1, 2, 3], prompt_len=3,
+              sampling_params=SamplingParams(max_tokens=100), seed=0)
+    for _ in range(8):
+        _verify_row(spec, req, [4, 5, 6, 7], [4, 9, 9, 9, 9])
+    assert (req.accepted, req.judged, req.drafted) == (8, 16, 32)
+    assert acceptance_rate(req) == 10 / 18  # the sent drafts' rate, 0.25, would stop it
+    assert spec.draft_length(req) == 2  # chances 0.56 and 0.31, then 0.17
+    for _ in range(11):  # rejected at once
+        _verify_row(spec, req, [4], [9, 9])
+    assert acceptance_rate(req) == 10 / 29 and spec.draft_length(req) == 1
+    for _ in range(15):
+        _verify_row(spec, req, [4], [9, 9])
+    assert acceptance_rate(req) < 0.3 and spec.draft_length(req) == 0  # it stops speculating
+    # A new request drafts in full; rejected at once every time, it stops after 5 steps.
+    req = Req(uid=2, input_ids=[1, 2, 3], prompt_len=3,
+              sampling_params=SamplingParams(max_tokens=100), seed=0)
+    lengths = []
+    while (length := spec.draft_length(req)) and len(lengths) < 10:
+        lengths.append(length)
+        _verify_row(spec, req, [4] * length, [9] * (length + 1))
+    assert lengths == [4, 2, 1, 1, 1]
+
+
+def test_draft_length_follows_the_acceptance_rate() -> None:
+    from minisgl_backend.core import Req
+    from minisgl_backend.scheduler.speculation import Speculator
+
+    def length(accepted: int, judged: int, floor: float = 0.3, k: int = 4) -> int:
+        config = SpeculativeConfig(speculative="ngram", num_speculative_tokens=k,
+                                   speculative_min_acceptance=floor)
+        req = Req(uid=0, input_ids=[1], prompt_len=1,
+                  sampling_params=SamplingParams(max_tokens=100), seed=0)
+        req.accepted, req.judged = accepted, judged
+        return Speculator(config, jump_forward=False, max_drafts=k).draft_length(req)
+
+    # The rate is (accepted + 2) / (judged + 2).
+    assert length(0, 0) == 4  # nothing judged yet
+    assert length(78, 98) == 4  # 0.8: 0.8, 0.64, 0.51, 0.41 all reach 0.3
+    assert length(58, 98) == 2  # 0.6: 0.6, 0.36, then 0.216
+    assert length(33, 98) == 1  # 0.35: its second draft has a 0.12 chance
+    assert length(27, 98) == 0  # 0.29: no drafts
+    assert length(58, 98, floor=0.1) == 4 and length(0, 1000, floor=0.0) == 4
+    assert length(98, 98, k=2) == 2  # never past num_speculative_tokens
+    # The default floor follows the device: a GPU verifies extra tokens almost for free.
+    assert SpeculativeConfig().min_acceptance("cuda") == 0.1
+    assert SpeculativeConfig().min_acceptance("cpu") == 0.4
+    assert SpeculativeConfig(speculative_min_acceptance=0.5).min_acceptance("cuda") == 0.5
+    gpu = Speculator(SpeculativeConfig(speculative="ngram"), jump_forward=False, max_drafts=4,
+                     device_type="cuda")
+    req = Req(uid=0, input_ids=[1], prompt_len=1, sampling_params=SamplingParams(max_tokens=9),
+              seed=0)
+    req.accepted, req.judged = 58, 98
+    assert gpu.draft_length(req) == 4  # 0.6: 0.6, 0.36, 0.216, 0.13 all reach 0.1
+
+
+def test_synthetic_acceptance_at_0_6_keeps_drafting() -> None:
+    """The benchmark's synthetic acceptance keeps each draft with its probability, in turn: at
+    0.6 the requests keep speculating, most with two drafts a step after a while (a rate of
+    all drafts sent, about 0.33 at four drafts, would stop many of them now and then)."""
+    from minisgl_backend.core import Req
+    from minisgl_backend.scheduler.speculation import Speculator
+
+    config = SpeculativeConfig(speculative="ngram", num_speculative_tokens=4,
+                               speculative_synthetic_acceptance=0.6,
+                               speculative_min_acceptance=0.3)
+    spec = Speculator(config, jump_forward=False, max_drafts=4)
+    reqs = [Req(uid=i, input_ids=[1, 2, 3], prompt_len=3,
+                sampling_params=SamplingParams(max_tokens=1000), seed=0) for i in range(32)]
+    full = []  # drafts kept per verify step of 4 drafts
+    for step in range(64):  # 64 verify steps per request
+        for req in reqs:
+            length = spec.draft_length(req)
+            if length:
+                kept = len(_verify_row(spec, req, [7] * length, [7] * (length + 1))) - 1
+                if length == 4:
+                    full.append(kept)
+    lengths = [spec.draft_length(req) for req in reqs]
+    assert sum(n == 0 for n in lengths) <= 1  # rare bad luck
+    # 0.6 and 0.36 reach 0.3, 0.216 not (a rate judged under 0.548 sends one draft).
+    assert sum(n == 2 for n in lengths) > len(reqs) // 2 and max(lengths) <= 3
+    assert 1.1 < sum(full) / len(full) < 1.5  # 0.6 + 0.36 + 0.216 + 0.13 = 1.31 expected

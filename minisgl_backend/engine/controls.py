@@ -55,8 +55,22 @@ class LogprobReport:
 
     batch_rows: np.ndarray  # [m] on cpu: batch indices of the rows
     token: torch.Tensor  # [m] float32: log-probability of the sampled token
-    top_ids: torch.Tensor  # [m, top] int64
+    top_ids: torch.Tensor  # [m, top] int64, or int32 (Triton kernels)
     top_logprobs: torch.Tensor  # [m, top] float32
+
+
+@dataclass
+class RawLogprobs:
+    """A step's log-probabilities as far as the raw logits give them (before the controls
+    edit the logits and the tokens are sampled), for the rows that asked (batch order)."""
+
+    batch_rows: np.ndarray  # [m] on cpu: batch indices of the rows
+    # [m, vocab]: float32 log-probabilities (torch path), or a copy of the raw logits rows
+    # with `lse` their logsumexp (Triton kernels: the full log-softmax is never written).
+    values: torch.Tensor
+    lse: torch.Tensor | None  # [m] float32
+    top_logprobs: torch.Tensor  # [m, top] float32, descending
+    top_ids: torch.Tensor  # [m, top] int64, or int32 (Triton kernels)
 
 
 class LogitControls:
@@ -209,28 +223,35 @@ class LogitControls:
 
     # ----- a step ------------------------------------------------------------------------
 
-    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[np.ndarray,
-                                                                           torch.Tensor] | None:
-        """Batch indices of the rows reporting log-probabilities and their log-softmax of the
-        raw logits (taken before any control changes them); None if no row asks."""
+    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> RawLogprobs | None:
+        """What the rows reporting log-probabilities need of the raw logits (taken before any
+        control changes them); None if no row asks."""
         wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
         if len(wanted) == 0:
             return None
-        sel = logits if len(wanted) == len(rows) else logits[
+        # A copy either way: the controls edit `logits` in place next.
+        sel = logits.clone() if len(wanted) == len(rows) else logits[
             self._upload("logprob rows", rows, lambda: wanted)]
-        return wanted, torch.log_softmax(sel, dim=-1, dtype=torch.float32)
+        top = int(self.params["logprobs"][rows[wanted]].max())
+        if not _kernels_edit(sel):
+            logprobs = torch.log_softmax(sel, dim=-1, dtype=torch.float32)
+            top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (
+                logprobs[:, :0], logprobs[:, :0].long())
+            return RawLogprobs(wanted, logprobs, None, top_lp, top_ids)
+        from kernels.logprobs import logprob_stats
 
-    def report(self, raw: tuple[np.ndarray, torch.Tensor], rows: np.ndarray,
-               tokens: torch.Tensor) -> LogprobReport:
+        lse, top_lp, top_ids = logprob_stats(sel, top)
+        return RawLogprobs(wanted, sel, lse, top_lp, top_ids)
+
+    def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
         """The sampled tokens' log-probabilities and the top alternatives of the rows in `raw`."""
-        wanted, logprobs = raw
+        wanted = raw.batch_rows
         sel_tokens = tokens if len(wanted) == len(rows) else tokens[
             self._upload("logprob rows", rows, lambda: wanted)]
-        token_lp = logprobs.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
-        top = int(self.params["logprobs"][rows[wanted]].max())
-        top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0],
-                                                                   logprobs[:, :0].long())
-        return LogprobReport(wanted, token_lp, top_ids, top_lp)
+        token_lp = raw.values.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1).float()
+        if raw.lse is not None:
+            token_lp = token_lp - raw.lse
+        return LogprobReport(wanted, token_lp, raw.top_ids, raw.top_logprobs)
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
               next_positions: torch.Tensor, seq_lens: np.ndarray) -> None:

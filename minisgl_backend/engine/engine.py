@@ -21,7 +21,7 @@ from minisgl_backend.core import Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
-from minisgl_backend.engine.controls import LogitControls, LogprobReport, RowParams
+from minisgl_backend.engine.controls import LogitControls, LogprobReport, RawLogprobs, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
@@ -63,7 +63,7 @@ class StartedStep:
     next_positions: torch.Tensor  # position of the token each entry samples (device)
     seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
     controlled: bool  # some row uses a logits control
-    raw_logprobs: tuple[np.ndarray, torch.Tensor] | None = None  # `LogitControls.raw_logprobs`
+    raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
     logits_report: LogitsReport | None = None
 
 

@@ -162,7 +162,8 @@ class Scheduler:
         self.decode = DecodeManager()
         self.speculator = Speculator(
             config.speculative, config.jump_forward, config.engine.samples_per_row - 1,
-            self.cache.short_rope_room if self.engine.long_rope_from else None)
+            self.cache.short_rope_room if self.engine.long_rope_from else None,
+            config.engine.device_type)
         # Rows whose KV restarts in the long frequencies with the next step (LongRoPE), and
         # how many tokens that restart computes.
         self._long_rope_rows: list[tuple[int, int]] = []
@@ -571,35 +572,9 @@ class Scheduler:
         fill_masks(plain, masks, plain_slots)
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
-        """What the engine needs of a newly admitted request: its per-row controls, LongRoPE's
-        long frequencies where its prompt takes them, and its prompt, bias entries and
-        bad-word sequences where it uses them."""
-        p, row = req.sampling_params, req.table_idx
-        msg.admit_rows.append(row)
-        for name, value in p.row_values(seed_to_int64(req.seed)).items():
-            msg.admit.setdefault(name, []).append(value)
-        if req.long_rope:  # a prompt past LongRoPE's pretraining length
-            msg.long_rope_rows.append(row)
-            msg.long_rope_lens.append(req.prompt_len)
-        if p.uses_penalties or any(len(seq) > 1 for seq in req.bans):
-            msg.prompt_rows.append(row)
-            msg.prompt_counts.append(req.prompt_len)
-            msg.prompt_tokens.extend(req.input_ids[: req.prompt_len])
-        if p.logit_bias:
-            msg.bias_rows.append(row)
-            msg.bias_counts.append(len(p.logit_bias))
-            msg.bias_ids.extend(p.logit_bias)
-            msg.bias_values.extend(p.logit_bias.values())
-        for seq in req.bans:
-            msg.ban_rows.append(row)
-            msg.ban_lens.append(len(seq))
-            msg.ban_tokens.extend(seq)
-        if p.min_tokens > 0:
-            stop_ids = sorted(self.trackers[req.uid].stop_ids)
-            msg.min_rows.append(row)
-            msg.min_lens.append(req.prompt_len + p.min_tokens)
-            msg.min_stop_counts.append(len(stop_ids))
-            msg.min_stop_ids.extend(stop_ids)
+        stop_ids = (sorted(self.trackers[req.uid].stop_ids)
+                    if req.sampling_params.min_tokens > 0 else [])
+        add_admission(msg, req, stop_ids)
 
     def _advance_guides(self, sent: _SentStep, reply: StepReply) -> None:
         """The grammars of the guided rows of `sent` (a step without drafts: one token a row)
@@ -665,3 +640,34 @@ class Scheduler:
 
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerStats", "pages_for"]
+
+
+def add_admission(msg: StepMessage, req: Req, stop_ids: list[int]) -> None:
+    """What the engine needs of a newly admitted request: its per-row controls, LongRoPE's
+    long frequencies where its prompt takes them, and its prompt, bias entries, bad-word
+    sequences and min_tokens' stop ids (`stop_ids`, sorted) where it uses them."""
+    p, row = req.sampling_params, req.table_idx
+    msg.admit_rows.append(row)
+    for name, value in p.row_values(seed_to_int64(req.seed)).items():
+        msg.admit.setdefault(name, []).append(value)
+    if req.long_rope:  # a prompt past LongRoPE's pretraining length
+        msg.long_rope_rows.append(row)
+        msg.long_rope_lens.append(req.prompt_len)
+    if p.uses_penalties or any(len(seq) > 1 for seq in req.bans):
+        msg.prompt_rows.append(row)
+        msg.prompt_counts.append(req.prompt_len)
+        msg.prompt_tokens.extend(req.input_ids[: req.prompt_len])
+    if p.logit_bias:
+        msg.bias_rows.append(row)
+        msg.bias_counts.append(len(p.logit_bias))
+        msg.bias_ids.extend(p.logit_bias)
+        msg.bias_values.extend(p.logit_bias.values())
+    for seq in req.bans:
+        msg.ban_rows.append(row)
+        msg.ban_lens.append(len(seq))
+        msg.ban_tokens.extend(seq)
+    if p.min_tokens > 0:
+        msg.min_rows.append(row)
+        msg.min_lens.append(req.prompt_len + p.min_tokens)
+        msg.min_stop_counts.append(len(stop_ids))
+        msg.min_stop_ids.extend(stop_ids)

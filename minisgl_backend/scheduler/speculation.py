@@ -10,7 +10,9 @@ the row's new length: never cached, overwritten by the next tokens.
 Drafts come from the proposer (`speculative`), and for guided rows from the grammar when it
 forces a continuation (jump-forward, `jump_forward`), cut at the first token the grammar
 rejects. Steps with more rows than `speculative_max_batch_size` do not speculate; a request
-whose drafts are rarely kept stops getting drafts; after a step in which no row had a draft
+gets as many proposed drafts as are likely enough to be kept (`draft_length`: none when its
+drafts are rarely kept), so that a verify step computes few tokens in vain (what a CPU, or a
+large batch, pays for); after a step in which no row had a draft
 (and no row is guided), the next tries wait a few steps (doubling), with overlap meanwhile.
 """
 
@@ -22,17 +24,22 @@ from collections.abc import Callable
 from minisgl_backend.core import Req
 from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, create_proposer
 
-MIN_DRAFTS_JUDGED = 16  # drafts a request is given before its acceptance rate is judged
+# A request's acceptance rate is estimated as if its drafts had been kept this many times more
+# than they were: a new request drafts in full, one whose drafts are all rejected stops after
+# a few verify steps, and one whose drafts are kept at 0.6 is rarely stopped by bad luck.
+PRIOR_KEPT = 2
 MAX_BACKOFF = 64  # decode steps at most between two tries when nothing could be drafted
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, jump_forward: bool, max_drafts: int,
-                 room: Callable[[Req], int] | None = None) -> None:
+                 room: Callable[[Req], int] | None = None, device_type: str = "cpu") -> None:
         """`max_drafts`: what the engine was sized for (`EngineConfig.samples_per_row` - 1).
         `room(req)`: the positions a request may compute before its KV restarts (LongRoPE's
-        crossing, `CacheManager.short_rope_room`); a verify row stays within them."""
+        crossing, `CacheManager.short_rope_room`); a verify row stays within them.
+        `device_type`: the engine's ("cpu", "cuda"), for `speculative_min_acceptance`."""
         self.config = config
+        self.min_acceptance = config.min_acceptance(device_type)
         self.room = room
         self.jump_forward = jump_forward and max_drafts > 0
         self.max_drafts = min(max_drafts, config.num_speculative_tokens)
@@ -82,17 +89,26 @@ class Speculator:
         drafts: list[int] = []
         if req.guide is not None and self.jump_forward:
             drafts = req.guide.forced_tokens()[:limit]
-        if not drafts and self.proposer is not None and self._keeps_drafting(req):
-            drafts = self.proposer.propose(req.uid, req.input_ids, limit)
+        if not drafts and self.proposer is not None:
+            limit = min(limit, self.draft_length(req))
+            drafts = self.proposer.propose(req.uid, req.input_ids, limit) if limit else []
             if not drafts and self._synthetic is not None:  # benchmarks: always draft
                 drafts = [req.input_ids[-1]] * limit
         if req.guide is not None and drafts:
             drafts = drafts[: req.guide.valid_prefix(drafts)]
         return drafts
 
-    def _keeps_drafting(self, req: Req) -> bool:
-        return (req.drafted < MIN_DRAFTS_JUDGED
-                or req.accepted >= self.config.speculative_min_acceptance * req.drafted)
+    def draft_length(self, req: Req) -> int:
+        """How many proposed drafts `req` is sent: each draft token only while its chance of
+        being kept, the request's acceptance rate (`acceptance_rate`) to the power of its
+        place, reaches `speculative_min_acceptance` (`min_acceptance`). A rate below it sends
+        none: the request stops speculating."""
+        floor = self.min_acceptance
+        rate = acceptance_rate(req)
+        length, chance = 0, rate
+        while length < self.max_drafts and chance >= floor:
+            length, chance = length + 1, chance * rate
+        return length
 
     def settle(self, req: Req, sampled: list[int]) -> list[int]:
         """The tokens a verify row keeps from its slots' samples (at least one); its lengths
@@ -111,6 +127,10 @@ class Speculator:
         req.explicit = rejected > 0
         req.drafted += len(drafts)
         req.accepted += kept
+        # The acceptance rate is judged on the drafts that met a verdict: the kept ones and
+        # the first rejected one. The drafts after it were never compared, so counting them
+        # would take a proposer whose every draft has a 0.6 chance for one of about 0.33.
+        req.judged += kept + (rejected > 0)
         if drafts:
             self.verified_rows += 1
             self.drafted += len(drafts)
@@ -121,3 +141,9 @@ class Speculator:
     def finish(self, req: Req) -> None:
         if self.proposer is not None:
             self.proposer.finish(req.uid, req.input_ids)
+
+
+def acceptance_rate(req: Req) -> float:
+    """The chance that one of `req`'s drafts is kept, given those before it were: kept drafts
+    over drafts that met a verdict (`Req.judged`), with `PRIOR_KEPT` kept ones added."""
+    return (req.accepted + PRIOR_KEPT) / (req.judged + PRIOR_KEPT)

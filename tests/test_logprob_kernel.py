@@ -1,0 +1,55 @@
+"""The Triton log-probability kernels (kernels/logprobs.py) against torch.log_softmax and
+torch.topk: interpreted on CPU tensors, compiled on a GPU. Rows span several chunks, the last
+one partial; ties are broken towards the lowest id."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.logprobs import _row_top_kernel, logprob_stats
+from tests.kernel_targets import devices
+
+# The interpreter's numpy warns about -inf - -inf in the branch that tl.where then discards.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")
+VOCAB, CHUNK = 1300, 256
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top", [0, 1, 5, 20])
+def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtype,
+                                                  top: int) -> None:
+    gen = torch.Generator().manual_seed(top)
+    logits = (torch.randn(6, VOCAB, generator=gen) * 4).to(dtype)
+    logits[2, 1299] = 30.0  # the most likely token in the partial last chunk
+    logits[3, :] = 0.5  # a flat row: every token ties, the lowest ids come first
+    logits[4, 700:] = float("-inf")  # masked tokens have no mass
+    lse, top_lp, top_ids = logprob_stats(logits.to(device), top, chunk=CHUNK)
+    expected = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    assert torch.allclose(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), atol=1e-5)
+    want_lp, want_ids = expected.topk(top, dim=-1)
+    assert top_ids.shape == (6, top) and top_ids.dtype == torch.int32
+    assert top_lp.dtype == torch.float32
+    top_lp, top_ids = top_lp.cpu(), top_ids.cpu().long()
+    assert torch.allclose(top_lp, want_lp, atol=1e-5)
+    # Each id's own log-probability; equal ones (bfloat16 has many) lowest id first.
+    assert torch.allclose(expected.gather(1, top_ids), top_lp, atol=1e-5)
+    for row in range(6):
+        ids, values = top_ids[row].tolist(), top_lp[row].tolist()
+        assert len(set(ids)) == top
+        assert all(a < b for a, b, u, v in zip(ids, ids[1:], values, values[1:]) if u == v)
+    if dtype == torch.float32:  # distinct values: torch's ids, in its order
+        for row in (0, 1, 2, 4, 5):
+            assert top_ids[row].tolist() == want_ids[row].tolist()
+    assert top_ids[3].tolist() == list(range(top))
+    # A token's log-probability is its logit minus the logsumexp.
+    token = torch.tensor([5, 9, 1299, 0, 699, 1000])
+    picked = logits.float().gather(1, token.unsqueeze(1)).squeeze(1) - lse.cpu()
+    assert torch.allclose(picked, expected.gather(1, token.unsqueeze(1)).squeeze(1), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+def test_logprob_stats_of_no_rows(device: str) -> None:
+    lse, top_lp, top_ids = logprob_stats(torch.zeros(0, VOCAB, device=device), 3)
+    assert lse.shape == (0,) and top_lp.shape == top_ids.shape == (0, 3)
