@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.logit_edits import _min_p_kernel, apply_min_p, apply_sparse_edits
+from kernels.logit_edits import _min_p_floor_kernel, apply_min_p, apply_sparse_edits
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
-DEVICES = devices(_min_p_kernel)
+DEVICES = devices(_min_p_floor_kernel)
 VOCAB, ROWS, POSITIONS = 5000, 8, 64
 BATCH = np.array([6, 0, 2, 5, 1, 3])  # table rows of a batch: 0 and 3 edit nothing
 NEXT = 40  # every row samples its token at position 40
@@ -80,7 +80,7 @@ def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype) -> None:
     p = controls.params
     offsets = torch.as_tensor(p["temperature"][BATCH[which]] * np.log(p["min_p"][BATCH[which]]),
                               dtype=torch.float32, device=device)
-    apply_min_p(logits, torch.as_tensor(which, device=device), offsets)
+    apply_min_p(logits, torch.as_tensor(which, device=device), offsets, chunk=1024)  # 5 chunks
     got = logits.cpu()
     assert torch.equal(got.isinf(), expected.isinf())
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
