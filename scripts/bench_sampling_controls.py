@@ -259,7 +259,8 @@ def table_rows(args: argparse.Namespace, configs: dict[str, dict[str, Any]],
     steps = args.max_tokens - 1
     rows = []
     for bs in args.batch_sizes:
-        base = bs * steps / results[bs, "none"].decode_seconds()
+        base = (bs * steps / results[bs, "none"].decode_seconds()
+                if (bs, "none") in results else None)
         for name in configs:
             seconds = results[bs, name].decode_seconds()
             if seconds <= 0:
@@ -267,7 +268,7 @@ def table_rows(args: argparse.Namespace, configs: dict[str, dict[str, Any]],
                                    f"--max-tokens")
             tps = bs * steps / seconds
             rows.append([str(bs), name, f"{tps:.1f}", f"{1e3 * seconds / steps:.3f}",
-                         f"{tps / base:.2f}x"])
+                         f"{tps / base:.2f}x" if base else "-"])
     return rows
 
 
@@ -306,6 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the best is kept")
     parser.add_argument("--each", action="store_true", help="also every control alone")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        choices=list(configurations(1000, each=True)),
+                        help="only these configurations (none, all or a control), e.g. one "
+                        "per run for a step timeline (MINISGL_STEP_TIMES_DIR) of each")
     parser.add_argument("--cache", default="naive", choices=("naive", "radix"),
                         help="prefix cache (default naive: the random prompts never share one)")
     add_llm_args(parser)
@@ -322,7 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, folder: Path) -> None:
     config = ModelConfig.from_folder(folder)
     vocab = config.vocab_size
-    configs = configurations(vocab, args.each)
+    configs = configurations(vocab, args.each or args.configs is not None)
+    if args.configs is not None:
+        configs = {name: configs[name] for name in args.configs}
     max_running = max(args.max_running_requests or _llm_default("max_running_requests"),
                       *args.batch_sizes)
     memory = memory_report(vocab, max_running + 1)  # before the timing: it fails early
@@ -340,7 +347,8 @@ def run(args: argparse.Namespace, folder: Path) -> None:
           f"{args.max_tokens}) - best t(max_tokens=1) = {args.max_tokens - 1} steps; "
           f"{args.repeats} interleaved rounds; temperature {TEMPERATURE}; LLM settings "
           f"{_settings(args)}")
-    print(f"all = {configs['all']}")
+    if "all" in configs:
+        print(f"all = {configs['all']}")
     print_calls(args, configs, results)
     print()
     print("\n".join(memory))

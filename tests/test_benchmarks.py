@@ -355,6 +355,32 @@ def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
     assert "penalties 760,320 B/row = 194.6 MB" in run.stdout
 
 
+def test_bench_sampling_controls_runs_the_configs_asked_for() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_sampling_controls.py"), *COMMON, "--shape",
+         "tiny-qwen3", "--batch-sizes", "1", "--max-tokens", "8", "--prompt-len", "4",
+         "--repeats", "1", "--configs", "logprobs", "min_p"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    _, rows = last_table(run.stdout)
+    assert [(r[1], r[4]) for r in rows] == [("logprobs", "-"), ("min_p", "-")]  # no none
+
+
+def test_profile_decode_step_measures_each_control() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "profile_decode_step.py"), "--shape", "tiny-llama",
+         "--backends", "torch", "--batch-sizes", "1", "2", "--steps", "12", "--temperature",
+         "0.7", "--controls", "none", "repetition_penalty", "logprobs", "all"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    header, rows = last_table(run.stdout)
+    assert header[:3] == ["backend", "controls", "batch"]
+    assert [(r[1], r[2]) for r in rows] == [(c, b) for c in ("none", "repetition_penalty",
+                                                             "logprobs", "all")
+                                            for b in ("1", "2")]
+    assert all(number(r[4]) > 0 and number(r[6]) > 0 for r in rows)  # host and step ms
+
+
 def test_bench_speculative_cpu_prints_both_workloads_and_every_config() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_speculative_cpu.py"), "--batch-sizes", "1",
