@@ -229,8 +229,7 @@ class LogitControls:
         wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
         if len(wanted) == 0:
             return None
-        # A copy either way: the controls edit `logits` in place next.
-        sel = logits.clone() if len(wanted) == len(rows) else logits[
+        sel = logits if len(wanted) == len(rows) else logits[
             self._upload("logprob rows", rows, lambda: wanted)]
         top = int(self.params["logprobs"][rows[wanted]].max())
         if not _kernels_edit(sel):
@@ -241,7 +240,10 @@ class LogitControls:
         from kernels.logprobs import logprob_stats
 
         lse, top_lp, top_ids = logprob_stats(sel, top)
-        return RawLogprobs(wanted, sel, lse, top_lp, top_ids)
+        # The raw rows are kept for the sampled tokens' logits: a copy, since the controls
+        # edit `logits` in place next (the selection of some rows is one already).
+        raw = sel.clone() if sel is logits else sel
+        return RawLogprobs(wanted, raw, lse, top_lp, top_ids)
 
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
         """The sampled tokens' log-probabilities and the top alternatives of the rows in `raw`."""
