@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,10 @@ from minisgl_backend.tokenizer import encode_chat
 SCRIPTS_DIR = Path(__file__).resolve().parent
 if str(SCRIPTS_DIR) not in sys.path:
     sys.path.insert(0, str(SCRIPTS_DIR))
-from bench_offline_cpu import build_script, ensure_model  # noqa: E402
+from bench_offline_cpu import build_script, ensure_model
 
 HEADER = ("batch", "config", "tokens", "decode tok/s", "ms/step", "vs unguided")
+CONFIGS = ("unguided", "json_schema", "json_schema+jump")
 PEOPLE = {"type": "array", "items": {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
     "city": {"enum": ["Paris", "Rome", "Berlin", "Madrid"]}},
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                   help="run only these configurations (one alone: a step timeline of it, "
+                   "MINISGL_STEP_TIMES_DIR); ratios need unguided")
     add_llm_args(p)
     args = p.parse_args(argv)
     if args.shape is not None and (args.tokenizer or tokenizer_name(args.shape)) == WORD_LEVEL:
@@ -118,12 +123,15 @@ def prompt_ids(tokenizer: Any, question: str) -> list[int]:
 
 
 def run(args: argparse.Namespace, model: Path) -> None:
-    configs = ("unguided", "json_schema", "json_schema+jump")
+    configs = [c for c in CONFIGS if c in args.configs]
     load_format = "dummy" if args.shape is not None else "auto"
     kwargs = llm_kwargs(args, load_format=load_format)
-    with LLM(str(model), jump_forward=False, **kwargs) as llm, \
-            LLM(str(model), jump_forward=True, **kwargs) as jumping:
-        engines = {"unguided": llm, "json_schema": llm, "json_schema+jump": jumping}
+    jumps = "json_schema+jump" in configs
+    with ExitStack() as stack:
+        # The jump-forward engine only when asked for: an idle engine still holds the GPU.
+        engines = {c: stack.enter_context(LLM(str(model), jump_forward=c.endswith("+jump"),
+                                              **kwargs)) for c in configs}
+        llm = next(iter(engines.values()))
         print("\n".join(compile_times(llm)), flush=True)
         prompts = {bs: [prompt_ids(llm.tokenizer, QUESTIONS[i % len(QUESTIONS)])
                         for i in range(bs)] for bs in args.batch_sizes}
@@ -143,6 +151,7 @@ def run(args: argparse.Namespace, model: Path) -> None:
                 count = sum(len(o.token_ids) for o in outs)
                 if key not in best or seconds < best[key][0]:
                     best[key] = (seconds, count)
+        speculator = engines["json_schema+jump"].scheduler.speculator if jumps else None
     rows = []
     for bs in args.batch_sizes:
         base = None
@@ -151,15 +160,17 @@ def run(args: argparse.Namespace, model: Path) -> None:
                                                 best[(bs, config, 1)])
             decode_tokens, decode_s = n_long - n_one, max(t_long - t_one, 1e-9)
             rate = decode_tokens / decode_s
-            base = rate if base is None else base
+            if config == "unguided":
+                base = rate
             steps = max(1, args.max_tokens - 1)
             rows.append([str(bs), config, str(n_long), f"{rate:.1f}",
-                         f"{1e3 * decode_s / steps:.2f}", f"{rate / base:.3f}x"])
-    spec = jumping.scheduler.speculator
+                         f"{1e3 * decode_s / steps:.2f}",
+                         f"{rate / base:.3f}x" if base else "-"])
     name = f"shape {args.shape} (random weights)" if args.shape else model.name
+    jumped = (f"; jump-forward: {speculator.accepted} of {speculator.drafted} forced tokens "
+              f"kept by {speculator.verified_rows} verifying rows" if speculator else "")
     print(f"model {name}, device {args.device}, max_tokens {args.max_tokens}, best of "
-          f"{args.repeats}; jump-forward: {spec.accepted} of {spec.drafted} forced tokens kept "
-          f"by {spec.verified_rows} verifying rows")
+          f"{args.repeats}{jumped}")
     print(markdown_table(HEADER, rows))
 
 

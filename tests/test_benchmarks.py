@@ -396,6 +396,17 @@ def test_bench_speculative_cpu_prints_both_workloads_and_every_config() -> None:
     assert rows[1][6] != "-" and number(rows[1][6]) > 0  # ngram kept drafts on repetitions
 
 
+def test_bench_structured_output_runs_the_configs_asked_for() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_structured_output.py"), "--batch-sizes", "2",
+         "--max-tokens", "8", "--repeats", "1", "--configs", "json_schema"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-4000:]
+    _, rows = last_table(run.stdout)
+    assert [(r[1], r[5]) for r in rows] == [("json_schema", "-")]  # no unguided to compare
+    assert number(rows[0][3]) > 0 and "jump-forward" not in run.stdout
+
+
 def test_bench_structured_output_prints_guided_next_to_unguided() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_structured_output.py"), "--batch-sizes", "1", "2",

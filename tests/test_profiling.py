@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.engine import step_times
 from minisgl_backend.engine.step_times import STEP_TIMES_DIR_ENV, StepTimeline
 from minisgl_backend.profiling import PROFILE_DIR_ENV
 from tests.conftest import mixed_prompts
@@ -61,26 +62,37 @@ def test_step_timeline_accounts_for_every_step(tiny_models: dict[str, Path], tmp
     assert int(rows["8"][0]) == int(rows["decode"][0])  # every decode batch held 3 requests
 
 
-def test_step_timeline_resolves_steps_in_order() -> None:
-    """Busy time runs from each forward's start to the step's end; waits are the gap after the
-    previous step plus the time before the forward, long waits for work left out."""
+def test_step_timeline_resolves_steps_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy time runs from each forward's start to the step's end, sampling from the sampling's
+    start; waits are the gap after the previous step plus the time before the forward, long
+    waits for work left out."""
     import torch
 
     timeline = StepTimeline(torch.device("cpu"))
-    # (launch start, forward start, end) per step
-    marks = iter([0.0, 0.001, 0.002, 0.003, 0.0035, 0.004, 0.5, 0.5002, 0.501])
+    # (launch start, forward start, sampling start, end) per step
+    marks = iter([0.0, 0.001, 0.0015, 0.002, 0.003, 0.0035, 0.0038, 0.004,
+                  0.5, 0.5002, 0.5009, 0.501])
     timeline._mark = lambda: next(marks)  # type: ignore[method-assign]
+    # The host's clock at begin, forward, sampling and end of each step
+    clock = iter([0.0, 0.1, 0.4, 0.5, 1.0, 1.1, 1.2, 1.3, 2.0, 2.1, 2.3, 2.4])
+    monkeypatch.setattr(step_times.time, "perf_counter", lambda: next(clock))
     for phase, bs in (("prefill", 2), ("decode", 2), ("decode", 2)):
         timeline.begin()
         timeline.forward()
+        timeline.sampling()
         timeline.end(phase, bs)
     timeline.summary()
     assert timeline.phases["prefill"].busy == pytest.approx(0.001)
+    assert timeline.phases["prefill"].sampling == pytest.approx(0.0005)
     assert timeline.phases["prefill"].waits == pytest.approx(0.001)  # launch -> forward
     assert timeline.phases["decode"].busy == pytest.approx(0.0005 + 0.0008)
+    assert timeline.phases["decode"].sampling == pytest.approx(0.0002 + 0.0001)
     # 0.002 -> 0.003 between steps, then 0.0005 and 0.0002 before the forwards
     assert timeline.phases["decode"].waits == pytest.approx(0.001 + 0.0005 + 0.0002)
     assert timeline.waits_for_work == 1  # 0.004 -> 0.5
+    assert timeline.phases["prefill"].held == pytest.approx(0.3)  # forward -> sampling launch
+    assert timeline.phases["decode"].held == pytest.approx(0.1 + 0.2)
+    assert timeline.phases["decode"].launch == pytest.approx(0.3 + 0.4)
 
 
 def test_two_engines_of_one_process_both_serve_with_profiling_on(

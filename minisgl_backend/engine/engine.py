@@ -292,6 +292,8 @@ class Engine:
         they must be in the mask buffer by now), sampling, and the copy of the sampled ids to
         the host."""
         logits, rows, batch = step.logits, step.rows, step.batch
+        if self.timeline is not None:
+            self.timeline.sampling()
         if len(step.msg.guide_rows):
             apply_token_masks(logits, np.asarray(step.msg.guide_rows, dtype=np.int64),
                               self._guide_masks(step.msg))

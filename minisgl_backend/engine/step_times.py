@@ -1,14 +1,19 @@
 """Opt-in device timeline of an engine rank: is the device busy, or waiting for the host?
 
-With `MINISGL_STEP_TIMES_DIR` set, every step marks three points on the device's stream (CUDA
+With `MINISGL_STEP_TIMES_DIR` set, every step marks four points on the device's stream (CUDA
 events on a GPU, wall time around the synchronous step on CPU): the start of its launch, the
-start of its forward (inputs are in place), and its end. When the step loop ends the rank writes
+start of its forward (inputs are in place), the start of its sampling (the grammar masks, when
+the step has guided rows, are in) and its end. When the step loop ends the rank writes
 `<dir>/engine-rank<N>-<pid>-steps.txt`, per phase and per decode batch size: the device's
 time from forward start to end ("busy"; for eager steps it includes waits for the host's
-kernel launches), its time waiting before the forward could start ("waits": the host had not
-yet applied the step's message and launched it, after the previous step ended: what overlap
-scheduling should hide), and the two host times of the turnaround: the engine's own work to
-launch a step, and its wait for the scheduler's next step message. Unlike the cProfile of
+kernel launches) and the part of it from the sampling's start ("sampling": a guided step's
+masks that come after its forward ends show as forward time, not as sampling), its time waiting
+before the forward could start ("waits": the host had not yet applied the step's message and
+launched it, after the previous step ended: what overlap scheduling should hide), and three
+host times of the turnaround: the engine's own work to launch a step, its wait for the
+scheduler's next step message, and its time from the forward's launch to the sampling's
+("held": for a guided step, answering the step before and waiting for the masks). Unlike the
+cProfile of
 `MINISGL_PROFILE_DIR`, it adds no host work beyond three events and a few clock reads per
 step, so the waits it reports are real.
 
@@ -39,17 +44,21 @@ class _Totals:
     waits: float = 0.0  # previous step end -> forward start, gaps up to WAIT_FOR_WORK_S
     launch: float = 0.0  # host: applying the message and launching the step
     wait: float = 0.0  # host: waiting for this step's message (up to WAIT_FOR_WORK_S)
+    sampling: float = 0.0  # device: sampling start -> step end
+    held: float = 0.0  # host: forward launch -> sampling launch
 
 
 @dataclass
 class _Pending:
     start: object
     forward: object
+    sample: object
     end: object
     phase: str
     batch_size: int
     launch: float
     wait: float
+    held: float
 
 
 @dataclass
@@ -65,7 +74,10 @@ class StepTimeline:
     _pending: deque = field(default_factory=deque)
     _start: object = None
     _forward: object = None
+    _sample: object = None
     _begun: float = 0.0
+    _forward_launched: float = 0.0
+    _held: float = 0.0
     _waited: float = 0.0
     _previous_end: object = None
 
@@ -90,16 +102,24 @@ class StepTimeline:
         self._begun = time.perf_counter()
         self._waited = waited if waited <= WAIT_FOR_WORK_S else 0.0
         self._resolve(wait=False)
-        self._start = self._forward = self._mark()
+        self._start = self._forward = self._sample = self._mark()
+        self._held = 0.0
 
     def forward(self) -> None:
         """The step's inputs are in place; its forward is launched next."""
         self._forward = self._mark()
+        self._forward_launched = time.perf_counter()
+
+    def sampling(self) -> None:
+        """The step's forward is launched and its masks (if any) are in: sampling is next."""
+        self._sample = self._mark()
+        self._held = time.perf_counter() - self._forward_launched
 
     def end(self, phase: str, batch_size: int) -> None:
         end = self._mark()
-        self._pending.append(_Pending(self._start, self._forward, end, phase, batch_size,
-                                      time.perf_counter() - self._begun, self._waited))
+        self._pending.append(_Pending(self._start, self._forward, self._sample, end, phase,
+                                      batch_size, time.perf_counter() - self._begun,
+                                      self._waited, self._held))
 
     def _resolve(self, wait: bool) -> None:
         """Account every recorded step whose end the device has passed (all of them if wait)."""
@@ -112,6 +132,7 @@ class StepTimeline:
                     return
             self._pending.popleft()
             busy = self._seconds(step.forward, step.end)
+            sampling = self._seconds(step.sample, step.end)
             gap = 0.0 if self._previous_end is None else max(
                 0.0, self._seconds(self._previous_end, step.start))
             self._previous_end = step.end
@@ -130,6 +151,8 @@ class StepTimeline:
                 t.waits += gap
                 t.launch += step.launch
                 t.wait += step.wait
+                t.sampling += sampling
+                t.held += step.held
 
     def summary(self, title: str = "") -> str:
         self._resolve(wait=True)
@@ -138,13 +161,14 @@ class StepTimeline:
         waits = sum(t.waits for t in self.phases.values())
         lines = [title] if title else []
         lines += [
-            f"steps: {steps}, device busy {busy:.3f} s, waiting for the host {waits:.3f} s "
+            (f"steps: {steps}, device busy {busy:.3f} s, waiting for the host {waits:.3f} s "
             f"({waits / max(busy + waits, 1e-12):.1%}; largest gap "
             f"{self.largest_gap * 1e3:.2f} ms; {self.waits_for_work} waits for work over "
-            f"{WAIT_FOR_WORK_S} s not counted)",
+            f"{WAIT_FOR_WORK_S} s not counted)"),
             "",
-            "device: busy in the step / waiting for the host before it; host: the engine "
-            "launching the step / waiting for its message",
+            ("device: busy in the step (of it, sampling) / waiting for the host before it; "
+            "host: the engine launching the step / waiting for its message / from the "
+            "forward's launch to the sampling's"),
             "",
             *_table("phase", sorted(self.phases.items())),
             "",
@@ -162,11 +186,13 @@ class StepTimeline:
 
 
 def _table(first_column: str, totals: list[tuple[object, _Totals]]) -> list[str]:
-    lines = [f"| {first_column} | steps | busy s | waits s | busy ms/step | waits ms/step | "
-             "launch ms/step | wait ms/step |", "|---|---|---|---|---|---|---|---|"]
+    lines = [(f"| {first_column} | steps | busy s | waits s | busy ms/step | sampling ms/step | "
+             "waits ms/step | launch ms/step | wait ms/step | held ms/step |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in totals:
         n = max(t.steps, 1)
         lines.append(f"| {name} | {t.steps} | {t.busy:.3f} | {t.waits:.3f} | "
-                     f"{t.busy / n * 1e3:.3f} | {t.waits / n * 1e3:.3f} | "
-                     f"{t.launch / n * 1e3:.3f} | {t.wait / n * 1e3:.3f} |")
+                     f"{t.busy / n * 1e3:.3f} | {t.sampling / n * 1e3:.3f} | "
+                     f"{t.waits / n * 1e3:.3f} | {t.launch / n * 1e3:.3f} | "
+                     f"{t.wait / n * 1e3:.3f} | {t.held / n * 1e3:.3f} |")
     return lines
