@@ -8,7 +8,7 @@
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
 # skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new
-# overheads fi spec kernels mechanisms profile triton mixed tp), WARM_KERNELS=0 to skip compiling
+# overheads fi spec kernels mechanisms profile triton mixed timelines tp), WARM_KERNELS=0 to skip compiling
 # FlashInfer, FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write
 # the compiled kernels to OUT_DIR/kernel-cache.tar.xz, SHAPES the `overheads` step's model
 # shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256),
@@ -24,7 +24,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed tp}
+STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed timelines tp}
 if [ -f .carry/site.tar.xz ]; then  # unpacked once per machine (a warm one keeps /tmp)
   [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site \
     && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
@@ -159,6 +159,26 @@ wants profile && TAIL=40 step 180 profile-llama-3.1-8b python3 scripts/profile_d
 if wants triton && command -v tritonserver > /dev/null && command -v perf_analyzer > /dev/null; then
   TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
     --page-size 64 --concurrency ${CONCURRENCY:-64 256}
+fi
+# One configuration per run at batch 64, each with its own step timeline (and the JSON run once
+# more with the scheduler's cProfile): where a guided step and the controls' steps spend time.
+if wants timelines; then
+  for config in unguided json_schema; do
+    MINISGL_STEP_TIMES_DIR=$OUT/timelines/$config TAIL=4 step 120 "timeline-$config" python3 \
+      scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer llama-3 \
+      --batch-sizes 64 --max-total-tokens 65536 --repeats 2 --configs $config
+  done
+  MINISGL_PROFILE_DIR=$OUT/timelines/json_schema-profile TAIL=4 step 120 timeline-json-profile \
+    python3 scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer \
+    llama-3 --batch-sizes 64 --max-total-tokens 65536 --repeats 1 --configs json_schema
+  for config in none logprobs all; do
+    MINISGL_STEP_TIMES_DIR=$OUT/timelines/controls-$config TAIL=4 step 120 "timeline-$config" \
+      python3 scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b \
+      --load-format dummy --batch-sizes 64 --repeats 2 --configs $config
+  done
+  for f in "$OUT"/timelines/*/engine-rank0-*-steps.txt; do
+    echo "-- $f"; grep -E "^\| (decode|64) \|" "$f"
+  done
 fi
 wants cmd && step "${CMD_LIMIT_S:-300}" cmd bash -c "$CMD"  # an ad-hoc command, same setup
 unset CUDA_VISIBLE_DEVICES
