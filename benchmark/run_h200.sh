@@ -118,10 +118,11 @@ if wants overheads; then  # every sampling control, and a JSON-schema mix, again
   for shape in ${SHAPES:-qwen3-0.6b llama-3.1-8b}; do
     TAIL=8 step 240 "overhead-controls-$shape" python3 scripts/bench_sampling_controls.py \
       --device cuda --shape "$shape" --batch-sizes 1 64 256
-    # Qwen3's vocabulary with Llama 3's tokens (no Qwen tokenizer travels); two engines.
+    # Llama 3's tokens and vocabulary size (no Qwen tokenizer travels; padded to Qwen3's
+    # 151,936 ids xgrammar's accepts would slow down); two engines.
     TAIL=12 step 300 "overhead-json-$shape" python3 scripts/bench_structured_output.py \
-      --device cuda --shape "$shape" --tokenizer llama-3 --batch-sizes 1 64 256 \
-      --max-total-tokens 65536 --repeats 2
+      --device cuda --shape "$shape" --tokenizer llama-3 --vocab-size 128256 \
+      --batch-sizes 1 64 256 --max-total-tokens 65536 --repeats 2
   done
 fi
 if wants fi; then  # the FlashInfer cases of issues 17-18's GPU tests (verify steps, windows)
@@ -166,11 +167,12 @@ if wants timelines; then
   for config in unguided json_schema; do
     MINISGL_STEP_TIMES_DIR=$OUT/timelines/$config TAIL=4 step 120 "timeline-$config" python3 \
       scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer llama-3 \
-      --batch-sizes 64 --max-total-tokens 65536 --repeats 2 --configs $config
+      --vocab-size 128256 --batch-sizes 64 --max-total-tokens 65536 --repeats 2 --configs $config
   done
   MINISGL_PROFILE_DIR=$OUT/timelines/json_schema-profile TAIL=4 step 120 timeline-json-profile \
     python3 scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer \
-    llama-3 --batch-sizes 64 --max-total-tokens 65536 --repeats 1 --configs json_schema
+    llama-3 --vocab-size 128256 --batch-sizes 64 --max-total-tokens 65536 --repeats 1 \
+    --configs json_schema
   for config in none logprobs all; do
     MINISGL_STEP_TIMES_DIR=$OUT/timelines/controls-$config TAIL=4 step 120 "timeline-$config" \
       python3 scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b \

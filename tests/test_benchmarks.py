@@ -248,6 +248,10 @@ def test_real_shapes_parse_and_have_the_documented_sizes() -> None:
     assert qwen.tie_word_embeddings and qwen.head_dim == 128 and qwen.qk_norm
     moe = ModelConfig.from_dict(shape_config("qwen3-30b-a3b", num_layers=4))
     assert (moe.num_layers, moe.num_experts, moe.num_experts_per_tok) == (4, 128, 8)
+    assert shape_config("qwen3-0.6b", vocab_size=128256)["vocab_size"] == 128256
+    assert SHAPES["qwen3-0.6b"]["vocab_size"] == 151936  # a copy was changed
+    with pytest.raises(ValueError, match="vocab_size"):
+        shape_config("qwen3-0.6b", vocab_size=0)
 
 
 def test_weight_bytes_of_llama_8b() -> None:

@@ -1,5 +1,6 @@
 """MINISGL_PROFILE_DIR: host profiles of the scheduler thread and every engine rank;
-MINISGL_STEP_TIMES_DIR: the device timeline of each engine rank."""
+MINISGL_STEP_TIMES_DIR: the device timeline of each engine rank; MINISGL_TRACE_DIR: a
+torch.profiler trace of a window of each rank's steps."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.engine import step_times
 from minisgl_backend.engine.step_times import STEP_TIMES_DIR_ENV, StepTimeline
-from minisgl_backend.profiling import PROFILE_DIR_ENV
+from minisgl_backend.profiling import PROFILE_DIR_ENV, TRACE_DIR_ENV, TRACE_STEPS_ENV
 from tests.conftest import mixed_prompts
 
 
@@ -30,6 +31,28 @@ def test_profiles_of_scheduler_and_engine_are_written(tiny_models: dict[str, Pat
     assert engine.read_text().strip()
     (engine_prof,) = folder.glob("engine-rank0-*.prof")  # every function, not just the top
     assert {"start", "finish"} <= {name for _, _, name in pstats.Stats(str(engine_prof)).stats}
+
+
+def test_trace_covers_the_window_of_steps(tiny_models: dict[str, Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_TRACE_STEPS=2:3: the steps from the third on, three of them, in the chrome trace
+    and the tables; a window past the run's end is closed when the engine stops."""
+    import json
+
+    for steps, expected in (("2:3", 3), ("4:100", None)):
+        folder = tmp_path / steps.replace(":", "-")
+        monkeypatch.setenv(TRACE_DIR_ENV, str(folder))
+        monkeypatch.setenv(TRACE_STEPS_ENV, steps)
+        monkeypatch.delenv(PROFILE_DIR_ENV, raising=False)
+        with LLM(tiny_models["qwen3"], device="cpu") as llm:
+            llm.generate(mixed_prompts(2), SamplingParams(max_tokens=6, ignore_eos=True))
+            total = llm.scheduler.num_steps
+        (trace,) = folder.glob("engine-rank0-*-trace.json")
+        (text,) = folder.glob("engine-rank0-*-trace.txt")
+        count = expected if expected is not None else total - 4
+        assert text.read_text().startswith(f"{count} steps from step {steps.split(':')[0]}: ")
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert sum(e.get("name") == "engine step" for e in events) == count
 
 
 def test_no_profiles_without_the_variable(tiny_models: dict[str, Path], tmp_path: Path,

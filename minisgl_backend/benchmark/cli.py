@@ -74,7 +74,7 @@ def model_folder(args: argparse.Namespace,
     """A temporary folder holding the shape's config.json, and that config. With `tokenizer`,
     the folder holds the shape's benchmark tokenizer too (or the one `args.tokenizer` names),
     so that `LLM` detokenizes outputs."""
-    config = shape_config(args.shape, args.num_layers)
+    config = shape_config(args.shape, args.num_layers, getattr(args, "vocab_size", None))
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.shape}-") as tmp:
         folder = write_config(config, tmp)
         if tokenizer:

@@ -67,8 +67,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPE_TOKENIZERS: dict[str, str] = {"llama-3.1-8b": "llama-3"}
 
 
-def shape_config(name: str, num_layers: int | None = None) -> dict[str, Any]:
-    """A copy of the config.json dict of shape `name`, optionally with fewer/more layers."""
+def shape_config(name: str, num_layers: int | None = None,
+                 vocab_size: int | None = None) -> dict[str, Any]:
+    """A copy of the config.json dict of shape `name`, optionally with fewer/more layers or
+    another vocabulary size."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     config = json.loads(json.dumps(SHAPES[name]))  # deep copy
@@ -76,6 +78,10 @@ def shape_config(name: str, num_layers: int | None = None) -> dict[str, Any]:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         config["num_hidden_layers"] = num_layers
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        config["vocab_size"] = vocab_size
     return config
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.profiling import profiled
+from minisgl_backend.profiling import StepTrace, profiled
 
 if TYPE_CHECKING:  # the engine (torch, models) is imported in the engine process only
     from minisgl_backend.engine.engine import Engine, StepHandle
@@ -40,8 +40,14 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "vocab_size": np.asarray([engine.model_config.vocab_size], dtype=np.int64),
             "long_rope_from": np.asarray([engine.model_config.rope.long_from], dtype=np.int64),
         }))
-        with profiled(f"engine-rank{rank}"):
-            _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap)
+        trace = StepTrace.from_env(f"engine-rank{rank}")  # MINISGL_TRACE_DIR
+        try:
+            with profiled(f"engine-rank{rank}"):
+                _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap,
+                             trace=trace)
+        finally:
+            if trace is not None:
+                trace.close()
         if engine.timeline is not None:
             engine.timeline.write(f"engine-rank{rank}", f"{config.model_dir}: page size "
                                   f"{config.page_size}, max_running_requests "
@@ -65,7 +71,8 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     os._exit(exit_code)
 
 
-def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -> None:
+def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool,
+                 trace: StepTrace | None = None) -> None:
     """Run steps in message order. Without overlap each STEP is answered with its own tokens.
     With overlap a STEP is launched first and then answered with the previous step's tokens,
     so the device computes step N while the scheduler handles step N-1's tokens (on CPU, where
@@ -92,6 +99,8 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool) -
             pending = None
             continue
         msg = protocol.StepMessage.from_arrays(arrays)
+        if trace is not None:
+            trace.step()
         if pending is not None and pending.ready:
             answer(pending)
             pending = None
