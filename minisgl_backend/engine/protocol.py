@@ -15,10 +15,10 @@ import numpy as np
 
 from minisgl_backend.core import ROW_DTYPES
 
-# Message kinds, scheduler -> engine. With overlap on, the engine answers a STEP with the tokens
-# of the step before it (the new one is already running); FLUSH asks for the last step's tokens.
-# MASKS follows a STEP sent with `masks_follow`: its guided rows' token masks are written.
-STEP, SHUTDOWN, FLUSH, MASKS = 1, 2, 3, 4
+# Message kinds, scheduler -> engine. The engine answers every STEP with its tokens once they
+# are on the host (with overlap on, the scheduler has sent the next STEP by then). MASKS follows
+# a STEP sent with `masks_follow`: its guided rows' token masks are written.
+STEP, SHUTDOWN, MASKS = 1, 2, 4
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
 

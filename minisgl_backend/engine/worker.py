@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import shutil
 import threading
 import time
@@ -18,6 +19,8 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.profiling import StepTrace, profiled
 
 if TYPE_CHECKING:  # the engine (torch, models) is imported in the engine process only
+    import torch
+
     from minisgl_backend.engine.engine import Engine, StepHandle
 
 
@@ -43,8 +46,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
         trace = StepTrace.from_env(f"engine-rank{rank}")  # MINISGL_TRACE_DIR
         try:
             with profiled(f"engine-rank{rank}"):
-                _serve_steps(engine, conn, reply=rank == 0, overlap=config.overlap,
-                             trace=trace)
+                _serve_steps(engine, conn, reply=rank == 0, trace=trace)
         finally:
             if trace is not None:
                 trace.close()
@@ -56,12 +58,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         exit_code = 0  # the scheduler went away: exit quietly
     except BaseException:
-        message = f"engine rank {rank} failed:\n{traceback.format_exc()}"
-        try:
-            conn.send_bytes(protocol.encode(protocol.ERROR, {
-                "message": np.frombuffer(message.encode(), dtype=np.uint8)}))
-        except OSError:
-            pass
+        _send_error(conn, f"engine rank {rank} failed:\n{traceback.format_exc()}")
         raise SystemExit(1)
     finally:
         destroy_process_group()
@@ -71,50 +68,86 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     os._exit(exit_code)
 
 
-def _serve_steps(engine: Engine, conn: Connection, reply: bool, overlap: bool,
+class _Replier:
+    """Sends each launched step's reply from a thread of its own, as soon as the step's sampled
+    ids are on the host: a reply waits neither for the next step's message nor for its launch,
+    so the scheduler gets step N's tokens while the device still computes step N+1 (and a
+    guided step's masks, which need them, come back sooner). Replies keep the steps' order;
+    ranks other than 0 wait for their steps without replying. Torch's operations release the
+    GIL, so the thread gets it while the main thread launches the next step."""
+
+    def __init__(self, conn: Connection, reply: bool, device: torch.device) -> None:
+        self._conn, self._reply, self._device = conn, reply, device
+        self._queue: queue.SimpleQueue[StepHandle | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="minisgl-replier", daemon=True)
+        self._thread.start()
+
+    def submit(self, handle: StepHandle) -> None:
+        self.check()
+        self._queue.put(handle)
+
+    def check(self) -> None:
+        """Raise what stopped the thread (a pipe the scheduler closed, a failed copy)."""
+        if self._error is not None:
+            raise self._error
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the steps submitted so far (their replies sent)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self._device)  # this rank's device on this thread too
+        while (handle := self._queue.get()) is not None:
+            try:
+                step_reply = handle.wait()
+                if self._reply:
+                    self._conn.send_bytes(step_reply.to_bytes())
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                self._error = exc
+                if not isinstance(exc, (OSError, EOFError)):  # the scheduler is still there
+                    _send_error(self._conn, f"a step's reply failed:\n{traceback.format_exc()}")
+                return
+
+
+def _send_error(conn: Connection, message: str) -> None:
+    """Tell the scheduler why this rank stops (if it is still listening)."""
+    try:
+        conn.send_bytes(protocol.encode(protocol.ERROR, {
+            "message": np.frombuffer(message.encode(), dtype=np.uint8)}))
+    except OSError:
+        pass
+
+
+def _serve_steps(engine: Engine, conn: Connection, reply: bool,
                  trace: StepTrace | None = None) -> None:
-    """Run steps in message order. Without overlap each STEP is answered with its own tokens.
-    With overlap a STEP is launched first and then answered with the previous step's tokens,
-    so the device computes step N while the scheduler handles step N-1's tokens (on CPU, where
-    a step has run when `Engine.finish` returns, step N-1 is answered before step N runs).
-    A STEP with `masks_follow` runs its forward, answers the step before (its tokens are what
-    the scheduler needs for the masks), then waits for the MASKS message (the masks are in
-    the mask buffer) to sample."""
-    pending: StepHandle | None = None
-
-    def answer(handle: StepHandle | None) -> None:
-        if handle is None:
-            return
-        step_reply = handle.wait()  # every rank waits, so none runs ahead of its steps
-        if reply:
-            conn.send_bytes(step_reply.to_bytes())
-
-    while True:
-        asked = time.perf_counter()
-        kind, arrays = protocol.decode(conn.recv_bytes())
-        if kind == protocol.SHUTDOWN:
-            return
-        if kind == protocol.FLUSH:
-            answer(pending)
-            pending = None
-            continue
-        msg = protocol.StepMessage.from_arrays(arrays)
-        if trace is not None:
-            trace.step()
-        if pending is not None and pending.ready:
-            answer(pending)
-            pending = None
-        started = engine.start(msg, waited=time.perf_counter() - asked)
-        if msg.masks_follow:
-            answer(pending)
-            pending = None
-            _wait_for_masks(conn)
-        handle = engine.finish(started)
-        if not overlap:
-            answer(handle)
-            continue
-        answer(pending)
-        pending = handle
+    """Run steps in message order; every step is answered with its own tokens, once they are
+    on the host (`_Replier`). With overlap the scheduler sends step N+1 before it reads step
+    N's tokens, so the device computes step N+1 while the scheduler handles step N's; without
+    it, the scheduler waits for each step's reply before sending the next. A STEP with
+    `masks_follow` runs its forward, then waits for the MASKS message (the masks, which
+    follow from the step before's tokens, are in the mask buffer) to sample."""
+    replier = _Replier(conn, reply, engine.device)
+    try:
+        while True:
+            asked = time.perf_counter()
+            kind, arrays = protocol.decode(conn.recv_bytes())
+            replier.check()
+            if kind == protocol.SHUTDOWN:
+                return
+            msg = protocol.StepMessage.from_arrays(arrays)
+            if trace is not None:
+                trace.step()
+            started = engine.start(msg, waited=time.perf_counter() - asked)
+            if msg.masks_follow:
+                _wait_for_masks(conn)
+            replier.submit(engine.finish(started))
+    finally:
+        replier.close()
 
 
 def _wait_for_masks(conn: Connection) -> None:

@@ -75,10 +75,6 @@ class EngineClient:
         except OSError as exc:
             self._fail(f"cannot reach the engine process: {exc}")
 
-    def flush(self) -> None:
-        """With overlap on: ask for the tokens of the last step sent (no new step follows)."""
-        self.send(protocol.encode(protocol.FLUSH, {}))
-
     def receive_step(self, timeout: float | None = None) -> protocol.StepReply:
         """What the oldest step not yet received sampled (from rank 0)."""
         return protocol.StepReply.from_arrays(

@@ -388,7 +388,6 @@ class Scheduler:
                 len(self.decode.running), bool(self.guided_uids), self.num_steps)):
             # Drafts, and a LongRoPE restart's tokens, follow from the tokens of the step in
             # flight.
-            self.engine.flush()
             self._read_tokens(self.in_flight)
             self.in_flight = None
         if crossing:
@@ -399,8 +398,6 @@ class Scheduler:
             self._read_tokens(sent)
             return
         if self.in_flight is not None:
-            if sent is None:
-                self.engine.flush()
             if sent is not None and sent.masks_follow and not any(
                     req.drafts for req in self.in_flight.batch):
                 # The masks wait on the engine: only the grammars follow the tokens first.
@@ -413,7 +410,6 @@ class Scheduler:
         if sent is not None and sent.masks_follow:
             self._send_masks(sent)
         if sent is not None and sent.verifies:  # the next step's drafts need its tokens
-            self.engine.flush()
             self._read_tokens(sent)
             sent = None
         self.in_flight = sent

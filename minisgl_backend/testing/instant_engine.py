@@ -40,9 +40,6 @@ class InstantEngine:
             self.steps_received += 1
             self._pending.append(len(arrays["rows"]))
 
-    def flush(self) -> None:
-        pass
-
     def receive_step(self, timeout: float | None = None) -> protocol.StepReply:
         return protocol.StepReply(np.full(self._pending.popleft(), self.token, dtype=np.int32))
 
