@@ -91,11 +91,10 @@ class StepTrace:
     def step(self) -> None:
         self._end_marker()
         if self.steps == self.first:
+            import torch
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU]
-            import torch
-
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
             self._profiler = profile(activities=activities)

@@ -139,9 +139,11 @@ def run(args: argparse.Namespace, model: Path) -> None:
     kwargs = llm_kwargs(args, load_format=load_format)
     jumps = "json_schema+jump" in configs
     with ExitStack() as stack:
-        # The jump-forward engine only when asked for: an idle engine still holds the GPU.
-        engines = {c: stack.enter_context(LLM(str(model), jump_forward=c.endswith("+jump"),
-                                              **kwargs)) for c in configs}
+        # One engine without jump-forward and one with, each only when a configuration asks
+        # for it (an idle engine still holds the GPU).
+        by_jump = {jump: stack.enter_context(LLM(str(model), jump_forward=jump, **kwargs))
+                   for jump in dict.fromkeys(c.endswith("+jump") for c in configs)}
+        engines = {c: by_jump[c.endswith("+jump")] for c in configs}
         llm = next(iter(engines.values()))
         print("\n".join(compile_times(llm)), flush=True)
         prompts = {bs: [prompt_ids(llm.tokenizer, QUESTIONS[i % len(QUESTIONS)])

@@ -97,11 +97,6 @@ class StepHandle:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    @property
-    def ready(self) -> bool:
-        """The sampled ids are on the host already (always on CPU): `wait()` will not block."""
-        return self._event is None or self._event.query()
-
     def wait(self) -> StepReply:
         if self._event is not None:
             self._event.synchronize()

@@ -12,10 +12,9 @@ before the forward could start ("waits": the host had not yet applied the step's
 launched it, after the previous step ended: what overlap scheduling should hide), and three
 host times of the turnaround: the engine's own work to launch a step, its wait for the
 scheduler's next step message, and its time from the forward's launch to the sampling's
-("held": for a guided step, answering the step before and waiting for the masks). Unlike the
-cProfile of
-`MINISGL_PROFILE_DIR`, it adds no host work beyond three events and a few clock reads per
-step, so the waits it reports are real.
+("held": for a guided step, its wait for the masks). Unlike the cProfile of
+`MINISGL_PROFILE_DIR`, it adds no host work beyond four events and a few clock reads per step,
+so the waits it reports are real.
 
     MINISGL_STEP_TIMES_DIR=/tmp/steps python scripts/bench_offline.py --shape qwen3-0.6b
     cat /tmp/steps/engine-rank0-*-steps.txt
