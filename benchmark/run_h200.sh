@@ -8,11 +8,14 @@
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
 # skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new
-# overheads fi spec kernels mechanisms profile triton mixed timelines tp), WARM_KERNELS=0 to skip compiling
-# FlashInfer, FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write
-# the compiled kernels to OUT_DIR/kernel-cache.tar.xz, SHAPES the `overheads` step's model
-# shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256),
-# CMD the `cmd` step's command line (any script, with this setup; CMD_LIMIT_S, default 300).
+# overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile tp),
+# WARM_KERNELS=0 to skip compiling FlashInfer, FI_TESTS the `fi` step's pytest -k (default
+# flashinfer), SAVE_KERNELS=1 to write the compiled kernels to OUT_DIR/kernel-cache.tar.xz,
+# SHAPES the `overheads` step's model shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the
+# `triton` step's (default 64 256), HP_CONFIGS, HP_MODE and HP_BACKEND the `hostprofile`
+# step's configurations (default unguided json_schema none logprobs all), what it records
+# besides the timeline (profile, trace or timeline) and attention backend (default triton), CMD
+# the `cmd` step's command line (any script, with this setup; CMD_LIMIT_S, default 300).
 # flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
 # and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 #
@@ -24,7 +27,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed timelines tp}
+STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile tp}
 if [ -f .carry/site.tar.xz ]; then  # unpacked once per machine (a warm one keeps /tmp)
   [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site \
     && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
@@ -180,6 +183,31 @@ if wants timelines; then
   done
   for f in "$OUT"/timelines/*/engine-rank0-*-steps.txt; do
     echo "-- $f"; grep -E "^\| (decode|64) \|" "$f"
+  done
+fi
+# The host's work per step at batch 64, one configuration per run (Qwen3-0.6B shape), each
+# with its step timeline and, by HP_MODE, the cProfile of its engine rank 0 and scheduler
+# summarised per call, libraries' functions too (profile, the default), a torch.profiler trace
+# of 20 decode steps (trace) or nothing more (timeline): what a guided or controlled step adds
+# to each process's turn.
+if wants hostprofile; then
+  mode=${HP_MODE:-profile}; hp=$OUT/hostprofile-$mode
+  for config in ${HP_CONFIGS:-unguided json_schema none logprobs all}; do
+    if [[ $config == unguided || $config == json_schema ]]; then
+      bench=(scripts/bench_structured_output.py --tokenizer llama-3 --vocab-size 128256
+             --max-total-tokens 65536)
+    else
+      bench=(scripts/bench_sampling_controls.py --load-format dummy)
+    fi
+    extra=(); [ "$mode" = profile ] && extra=(MINISGL_PROFILE_DIR=$hp/$config)
+    [ "$mode" = trace ] && extra=(MINISGL_TRACE_DIR=$hp/$config MINISGL_TRACE_STEPS=60:20)
+    TAIL=3 step 120 "hostprofile-$mode-$config" env MINISGL_STEP_TIMES_DIR=$hp/$config \
+      "${extra[@]}" python3 "${bench[@]}" --device cuda --shape qwen3-0.6b --batch-sizes 64 \
+      --repeats 2 --configs "$config" --attention-backend "${HP_BACKEND:-triton}"
+    for f in "$hp/$config"/engine-rank0-*-steps.txt; do grep -E "^\| (decode|64) \|" "$f"; done
+    [ "$mode" = profile ] && python3 scripts/profile_summary.py --all --top "${HP_TOP:-25}" \
+      --min-calls 200 "$hp/$config"/engine-rank0-*.prof "$hp/$config"/scheduler-*.prof \
+      > "$OUT/hostprofile-$config.txt" 2>&1
   done
 fi
 wants cmd && step "${CMD_LIMIT_S:-300}" cmd bash -c "$CMD"  # an ad-hoc command, same setup

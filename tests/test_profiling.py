@@ -116,6 +116,8 @@ def test_step_timeline_resolves_steps_in_order(monkeypatch: pytest.MonkeyPatch) 
     assert timeline.phases["prefill"].held == pytest.approx(0.3)  # forward -> sampling launch
     assert timeline.phases["decode"].held == pytest.approx(0.1 + 0.2)
     assert timeline.phases["decode"].launch == pytest.approx(0.3 + 0.4)
+    assert timeline.phases["prefill"].apply == pytest.approx(0.1)  # begin -> forward launch
+    assert timeline.phases["decode"].apply == pytest.approx(0.1 + 0.1)
 
 
 def test_two_engines_of_one_process_both_serve_with_profiling_on(

@@ -9,10 +9,12 @@ time from forward start to end ("busy"; for eager steps it includes waits for th
 kernel launches) and the part of it from the sampling's start ("sampling": a guided step's
 masks that come after its forward ends show as forward time, not as sampling), its time waiting
 before the forward could start ("waits": the host had not yet applied the step's message and
-launched it, after the previous step ended: what overlap scheduling should hide), and three
-host times of the turnaround: the engine's own work to launch a step, its wait for the
-scheduler's next step message, and its time from the forward's launch to the sampling's
-("held": for a guided step, its wait for the masks). Unlike the cProfile of
+launched it, after the previous step ended: what overlap scheduling should hide), and four
+host times of the turnaround: the engine's own work to launch a step ("launch"), its wait for
+the scheduler's next step message, and two parts of the launch: applying the message up to the
+forward's launch ("apply") and the time from the forward's launch to the sampling's ("held":
+for a guided step, it includes the wait for the masks; the rest of the launch is the
+sampling's). Unlike the cProfile of
 `MINISGL_PROFILE_DIR`, it adds no host work beyond four events and a few clock reads per step,
 so the waits it reports are real.
 
@@ -45,6 +47,7 @@ class _Totals:
     wait: float = 0.0  # host: waiting for this step's message (up to WAIT_FOR_WORK_S)
     sampling: float = 0.0  # device: sampling start -> step end
     held: float = 0.0  # host: forward launch -> sampling launch
+    apply: float = 0.0  # host: launch start -> forward launch (the message applied)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Pending:
     launch: float
     wait: float
     held: float
+    apply: float
 
 
 @dataclass
@@ -77,6 +81,7 @@ class StepTimeline:
     _begun: float = 0.0
     _forward_launched: float = 0.0
     _held: float = 0.0
+    _apply: float = 0.0
     _waited: float = 0.0
     _previous_end: object = None
 
@@ -108,6 +113,7 @@ class StepTimeline:
         """The step's inputs are in place; its forward is launched next."""
         self._forward = self._mark()
         self._forward_launched = time.perf_counter()
+        self._apply = self._forward_launched - self._begun
 
     def sampling(self) -> None:
         """The step's forward is launched and its masks (if any) are in: sampling is next."""
@@ -118,7 +124,7 @@ class StepTimeline:
         end = self._mark()
         self._pending.append(_Pending(self._start, self._forward, self._sample, end, phase,
                                       batch_size, time.perf_counter() - self._begun,
-                                      self._waited, self._held))
+                                      self._waited, self._held, self._apply))
 
     def _resolve(self, wait: bool) -> None:
         """Account every recorded step whose end the device has passed (all of them if wait)."""
@@ -152,6 +158,7 @@ class StepTimeline:
                 t.wait += step.wait
                 t.sampling += sampling
                 t.held += step.held
+                t.apply += step.apply
 
     def summary(self, title: str = "") -> str:
         self._resolve(wait=True)
@@ -166,8 +173,9 @@ class StepTimeline:
             f"{WAIT_FOR_WORK_S} s not counted)"),
             "",
             ("device: busy in the step (of it, sampling) / waiting for the host before it; "
-            "host: the engine launching the step / waiting for its message / from the "
-            "forward's launch to the sampling's"),
+            "host: the engine launching the step / waiting for its message / of the launch, "
+            "applying the message (to the forward's launch) / from the forward's launch to "
+            "the sampling's; the launch's rest is the sampling's launch"),
             "",
             *_table("phase", sorted(self.phases.items())),
             "",
@@ -186,12 +194,13 @@ class StepTimeline:
 
 def _table(first_column: str, totals: list[tuple[object, _Totals]]) -> list[str]:
     lines = [(f"| {first_column} | steps | busy s | waits s | busy ms/step | sampling ms/step | "
-             "waits ms/step | launch ms/step | wait ms/step | held ms/step |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "waits ms/step | launch ms/step | wait ms/step | apply ms/step | held ms/step |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in totals:
         n = max(t.steps, 1)
         lines.append(f"| {name} | {t.steps} | {t.busy:.3f} | {t.waits:.3f} | "
                      f"{t.busy / n * 1e3:.3f} | {t.sampling / n * 1e3:.3f} | "
                      f"{t.waits / n * 1e3:.3f} | {t.launch / n * 1e3:.3f} | "
-                     f"{t.wait / n * 1e3:.3f} | {t.held / n * 1e3:.3f} |")
+                     f"{t.wait / n * 1e3:.3f} | {t.apply / n * 1e3:.3f} | "
+                     f"{t.held / n * 1e3:.3f} |")
     return lines

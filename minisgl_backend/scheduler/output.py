@@ -70,8 +70,34 @@ def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
     return [merged]
 
 
+@dataclass
+class _Delta:
+    """A sampled token whose output is decided (kept, and whether it ends the request) but not
+    yet emitted: its text and its RequestOutput wait for `OutputTracker.flush`."""
+
+    token: int
+    reason: str | None  # the request's end, if this token ends it
+    error: str | None
+    counted: bool  # its text is part of the output (not an EOS or stop token, not an error)
+    logprobs: tuple[float, list[int], list[float]] | None
+    logits: np.ndarray | None
+    text: str | None  # None: to be detokenized at flush
+    # The request's state when the token was taken (the flush may come after a later step's
+    # scheduling grew its pages, or its end gave them back).
+    pages: int
+    reused_pages: int
+    drafted: int
+    accepted: int
+
+
 class OutputTracker:
-    """Turns sampled tokens of one request into deltas and decides when it stops."""
+    """Turns sampled tokens of one request into deltas and decides when it stops.
+
+    `add_token` decides at once what a token does to the request (kept, finished, why), which
+    the scheduler needs before it schedules the next step; the delta's text and its output
+    (the detokenizer, the log-probability dicts, the callback) wait for `flush`, which the
+    scheduler calls once that next step is sent, so that they are off the path between two
+    steps. A request with stop strings detokenizes at once (the text decides its end)."""
 
     def __init__(self, req: Req, tokenizer: Any, eos_ids: frozenset[int],
                  callback: OutputCallback) -> None:
@@ -82,8 +108,8 @@ class OutputTracker:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input_ids[: req.prompt_len])
                             if tokenizer is not None else None)
         self.matcher = StopStringMatcher(params.stop or ())
-        self._logprobs: tuple[float, list[int], list[float]] | None = None
-        self._logits: np.ndarray | None = None
+        self._text_decides = bool(params.stop) and self.detokenizer is not None
+        self._pending: list[_Delta] = []
         self._context: list[np.ndarray] = []  # prompt logits, chunk by chunk
         self._context_sent = False
         self._guide_took: tuple[int, bool] | None = None  # (token, accepted) ahead of add_token
@@ -107,35 +133,59 @@ class OutputTracker:
         """The logits of the prompt tokens one prefill step computed (in order)."""
         self._context.append(logits)
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def add_token(self, token: int,
                   logprobs: tuple[float, list[int], list[float]] | None = None,
                   logits: np.ndarray | None = None) -> bool:
         """Record a sampled token (with its log-probability, top ids and theirs, and its raw
-        logits, when the request asked), emit the delta; return True if the request is
-        finished."""
+        logits, when the request asked); return True if the request is finished. Its delta is
+        emitted by `flush`."""
         req = self.req
         req.input_ids.append(token)
-        self._logprobs, self._logits = logprobs, logits
+        reason, error, counted, text = None, None, True, None
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
-            self._emit([token], self._flush(), "stop")
-            return True
-        if req.guide is not None and not self._guide_accepts(token):  # a masked token: a bug
-            self._emit([token], self._flush(), "error",
-                       error=f"token {token} is outside the request's grammar")
-            return True
-        text, stopped = "", False
-        if self.detokenizer is not None:
-            text, stopped = self.matcher.feed(self.detokenizer.push([token]))
-        at_limit = len(req.input_ids) - req.prompt_len >= req.sampling_params.max_tokens
-        # A grammar without stop tokens to end it (ignore_eos) ends the request itself.
-        stopped = stopped or (req.guide is not None and req.guide.finished)
-        if stopped:  # the text is cut before the stop string; nothing after it is sent
-            self._emit([token], text, "stop")
-        elif at_limit:
-            self._emit([token], text + self._flush(), "length")
+            reason, counted = "stop", False
+        elif req.guide is not None and not self._guide_accepts(token):  # masked: a bug
+            reason, counted = "error", False
+            error = f"token {token} is outside the request's grammar"
         else:
-            self._emit([token], text, None)
-        return stopped or at_limit
+            stopped = False
+            if self._text_decides:
+                text, stopped = self._text_of(token)
+            # A grammar without stop tokens to end it (ignore_eos) ends the request itself.
+            if stopped or (req.guide is not None and req.guide.finished):
+                reason = "stop"
+            elif len(req.input_ids) - req.prompt_len >= req.sampling_params.max_tokens:
+                reason = "length"
+                if text is not None:
+                    text += self._flush()
+        self._pending.append(_Delta(token, reason, error, counted, logprobs, logits, text,
+                                    len(req.pages), req.reused_pages, req.drafted,
+                                    req.accepted))
+        return reason is not None
+
+    def flush(self) -> None:
+        """Emit the deltas of the tokens added since the last flush, in order."""
+        pending, self._pending = self._pending, []
+        for delta in pending:
+            text = delta.text
+            if text is None:
+                if not delta.counted:
+                    text = self._flush()
+                else:
+                    text, _ = self._text_of(delta.token)
+                    if delta.reason == "length":
+                        text += self._flush()
+            self._emit(delta, text)
+
+    def _text_of(self, token: int) -> tuple[str, bool]:
+        """The text `token` adds (stop strings cut), and whether a stop string matched."""
+        if self.detokenizer is None:
+            return "", False
+        return self.matcher.feed(self.detokenizer.push([token]))
 
     def _flush(self) -> str:
         if self.detokenizer is None:
@@ -143,30 +193,41 @@ class OutputTracker:
         text, _ = self.matcher.feed(self.detokenizer.flush())
         return text + self.matcher.flush()
 
-    def _emit(self, tokens: list[int], text: str, reason: str | None,
+    def _emit(self, delta: _Delta | None, text: str, reason: str | None = None,
               error: str | None = None) -> None:
+        """A delta's output (`delta` None: the end without a token, `reason` and `error`)."""
         req = self.req
+        if delta is not None:
+            tokens, reason, error = [delta.token], delta.reason, delta.error
+            pages, reused, drafted, accepted = (delta.pages, delta.reused_pages, delta.drafted,
+                                                delta.accepted)
+        else:
+            tokens = []
+            pages, reused, drafted, accepted = (len(req.pages), req.reused_pages, req.drafted,
+                                                req.accepted)
         out = RequestOutput(
             uid=req.uid, token_ids=tokens, text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,
-            error=error, index=req.index, pages=len(req.pages), reused_pages=req.reused_pages,
+            error=error, index=req.index, pages=pages, reused_pages=reused,
             admitted_ns=req.admitted_ns, emitted_ns=time.time_ns(),
-            draft_tokens=req.drafted, accepted_draft_tokens=req.accepted,
+            draft_tokens=drafted, accepted_draft_tokens=accepted,
         )
-        if self._logits is not None and tokens:
-            out.generation_logits = self._logits[None]
+        if delta is not None and delta.logits is not None:
+            out.generation_logits = delta.logits[None]
         if self._context and not self._context_sent:
             out.context_logits = np.concatenate(self._context)
             self._context, self._context_sent = [], True
         top = req.sampling_params.logprobs
         if top is not None:
             out.logprobs, out.top_logprobs = [], []
-            if tokens and self._logprobs is not None:
-                token_lp, ids, values = self._logprobs
+            if delta is not None and delta.logprobs is not None:
+                token_lp, ids, values = delta.logprobs
                 out.logprobs.append(token_lp)
                 out.top_logprobs.append(dict(zip(ids[:top], values[:top])))
         self.callback(out)
 
     def fail(self, reason: str, message: str) -> None:
-        """End the request without more tokens (aborted, or the engine failed)."""
-        self._emit([], "", reason, error=message)
+        """End the request without more tokens (aborted, or the engine failed), after the
+        deltas still pending."""
+        self.flush()
+        self._emit(None, "", reason, error=message)

@@ -170,6 +170,8 @@ class Scheduler:
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
         self.trackers: dict[int, OutputTracker] = {}
+        # Trackers holding deltas not yet emitted: emitted once the next step is sent.
+        self._unflushed: list[OutputTracker] = []
         self.group_size: dict[int, int] = {}  # uid of sample 0 -> n, for requests with n > 1
         self.num_steps = 0
         self.peak_running = 0  # most requests admitted at once so far
@@ -394,8 +396,10 @@ class Scheduler:
             for req in self._crossing():
                 self._restart_long(req)
         sent = self._send_next_step()
+        self._flush_outputs()  # the step before's outputs, now that the engine has work
         if not self.overlap:
             self._read_tokens(sent)
+            self._flush_if_idle()
             return
         if self.in_flight is not None:
             if sent is not None and sent.masks_follow and not any(
@@ -413,6 +417,18 @@ class Scheduler:
             self._read_tokens(sent)
             sent = None
         self.in_flight = sent
+        self._flush_if_idle()
+
+    def _flush_outputs(self) -> None:
+        """Emit every delta the steps read so far decided."""
+        for tracker in self._unflushed:
+            tracker.flush()
+        self._unflushed.clear()
+
+    def _flush_if_idle(self) -> None:
+        """Emit the outputs now when no next step will be sent (the loop is about to wait)."""
+        if not self._busy:
+            self._flush_outputs()
 
     def _crossing(self) -> list[Req]:
         """Running requests whose next token is past LongRoPE's pretraining length while their
@@ -597,6 +613,8 @@ class Scheduler:
                 continue  # a prompt chunk, or a request that ended after this step was sent
             tokens = (self.speculator.settle(req, sampled[first:slot])
                       if req.drafts or req.explicit else [sampled[first]])
+            if tokens and not tracker.has_pending:
+                self._unflushed.append(tracker)
             for j, token in enumerate(tokens):
                 if tracker.add_token(token, logprobs.get(first + j),
                                      generation_logits.get(first + j)):
@@ -624,6 +642,7 @@ class Scheduler:
         self._fail_all("error", f"the engine failed: {reason}")
 
     def _fail_all(self, reason: str, message: str) -> None:
+        self._flush_outputs()
         for tracker in list(self.trackers.values()):
             tracker.fail(reason, message)
         self.trackers.clear()
