@@ -3,7 +3,8 @@
 Every request must complete (bounded wait: no deadlock) with exactly the output it gets when it
 runs alone (greedy outputs and seeded samples do not depend on the batch), the scheduler's debug
 checks verify page accounting after every step, and waiting is first come, first served: in
-arrival order, the step that admitted a request never goes back (`Req.admitted_step`), so no
+arrival order, the step that admitted a request never goes back (`RequestOutput.admitted_ns`,
+stamped once per scheduling step), so no
 request waits behind more than the requests that arrived before it plus one step's admissions.
 A shutdown under load ends every request, also those submitted while or after it happens.
 """
@@ -69,7 +70,7 @@ def overload_workload() -> tuple[list[list[int]], list[SamplingParams]]:
 @dataclass
 class Track:
     outputs: list[RequestOutput] = field(default_factory=list)
-    admitted_step: int = -1
+    admitted_ns: int = 0  # when the request was admitted (one stamp per scheduling step)
     late: int = 0  # outputs after the final one
 
     @property
@@ -109,8 +110,8 @@ def run_all(model: Path, prompts: list[list[int]], params: list[SamplingParams],
                 if track.finished:
                     track.late += 1
                     return
-                if not track.outputs and out.uid in scheduler.trackers:
-                    track.admitted_step = scheduler.trackers[out.uid].req.admitted_step
+                if not track.outputs:
+                    track.admitted_ns = out.admitted_ns
                 track.outputs.append(out)
                 if out.finished and sum(t.finished for t in tracks.values()) == len(prompts):
                     all_done.set()
@@ -126,20 +127,20 @@ def run_all(model: Path, prompts: list[list[int]], params: list[SamplingParams],
             requests=len(uids), finished=ended,
             errors=sum(tracks[u].outputs[-1].finish_reason == "error" for u in uids),
             peak_running=scheduler.peak_running, steps=scheduler.num_steps,
-            admission_steps=len({tracks[u].admitted_step for u in uids}),
+            admission_steps=len({tracks[u].admitted_ns for u in uids}),
             evicted_pages=scheduler.cache.evicted_pages,
             results=[tracks[u].result() for u in uids],
         )
         assert all(tracks[u].late == 0 for u in uids), "an output came after the final one"
         assert all(sum(o.finished for o in tracks[u].outputs) == 1 for u in uids)
-        admitted = [tracks[u].admitted_step for u in uids]
+        admitted = [tracks[u].admitted_ns for u in uids]
     assert stats.kv_pages_in_use == 0 and stats.running == 0 and stats.waiting == 0, stats
-    assert all(step >= 0 for step in admitted), "a request ran without being admitted"
+    assert all(ns > 0 for ns in admitted), "a request ran without being admitted"
     # First come, first served: in arrival order the admission step never decreases.
     for i in range(1, len(admitted)):
         assert admitted[i] >= admitted[i - 1], (
-            f"request {i} was admitted at step {admitted[i]}, before request {i - 1} "
-            f"(admitted at step {admitted[i - 1]}), which arrived earlier")
+            f"request {i} was admitted at {admitted[i]} ns, before request {i - 1} "
+            f"(admitted at {admitted[i - 1]} ns), which arrived earlier")
     return figures
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
+
+import multiprocessing
+import os
+from multiprocessing import reduction
 
 import numpy as np
 import pytest
 
 from minisgl_backend.core import ROW_DTYPES, Req, SamplingParams
 from minisgl_backend.engine import protocol
-from minisgl_backend.engine.mask_buffer import MASKS_FILE, MaskBuffer
+from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import STEP, StepMessage, decode, encode
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
@@ -127,9 +130,14 @@ def test_a_step_whose_masks_follow_says_so_and_names_its_mask_half() -> None:
     assert decode(protocol.MASKS_READY) == (protocol.MASKS, {})  # the masks are in the buffer
 
 
-def test_mask_buffer_halves_are_shared_through_the_file(tmp_path: Path) -> None:
-    writer = MaskBuffer(tmp_path / MASKS_FILE, slots=3, words=2, create=True)
-    reader = MaskBuffer(tmp_path / MASKS_FILE, slots=3, words=2)  # an engine rank's mapping
+def test_mask_buffer_halves_are_shared_through_the_handed_descriptor() -> None:
+    writer = MaskBuffer(slots=3, words=2)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    writer.share(ours, os.getpid())  # what the scheduler does for each rank
+    writer.close_handle()  # the mapping stays
+    reader = MaskBuffer(slots=3, words=2, fd=reduction.recv_handle(theirs))  # a rank's
+    with pytest.raises(ValueError, match="only the buffer's creator shares it"):
+        reader.share(theirs, os.getpid())
     writer.view(0, 2)[:] = [[1, 2], [3, 4]]
     writer.view(1, 1)[:] = -1
     assert reader.view(0, 2).tolist() == [[1, 2], [3, 4]]

@@ -129,9 +129,7 @@ class Engine:
             self.device = torch.device("cpu")
         backend = "nccl" if device_type == "cuda" else "gloo"
         init_process_group(rank, config.tp_size, init_file, backend)
-        # The scheduler's mask buffer: in the same private folder as the rendezvous file.
-        self._private_dir = os.path.dirname(init_file)
-        self._mask_buffer: MaskBuffer | None = None
+        self._mask_buffer: MaskBuffer | None = None  # the scheduler's (`attach_masks`)
         self.model_config = ModelConfig.from_folder(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
         free_before = self._free_memory()
@@ -273,13 +271,13 @@ class Engine:
         self._mask_early_stops(logits, rows, step.seq_lens)
         return step
 
-    def _guide_masks(self, msg: StepMessage) -> np.ndarray:
-        """The step's guided rows' masks, in the scheduler's mask buffer (mapped on first use;
-        `apply_token_masks` copies them out before this step is finished)."""
-        if self._mask_buffer is None:
-            self._mask_buffer = MaskBuffer.of_engine(self._private_dir, self.config,
-                                                     self.model_config.vocab_size)
-        return self._mask_buffer.view(int(msg.mask_half[0]), len(msg.guide_rows))
+    def attach_masks(self, buffer: MaskBuffer) -> None:
+        """The scheduler's mask buffer, page-locked on a GPU (its masks are then copied to the
+        device straight from it)."""
+        if self.device.type == "cuda" and not buffer.lock_pages():
+            logger.warning("the guide mask buffer could not be page-locked: masks are copied "
+                           "through pinned memory")
+        self._mask_buffer = buffer
 
     @torch.inference_mode()
     def finish(self, step: StartedStep) -> StepHandle:
@@ -290,8 +288,11 @@ class Engine:
         if self.timeline is not None:
             self.timeline.sampling()
         if len(step.msg.guide_rows):
-            apply_token_masks(logits, np.asarray(step.msg.guide_rows, dtype=np.int64),
-                              self._guide_masks(step.msg))
+            msg, buffer = step.msg, self._mask_buffer
+            assert buffer is not None, "guided rows before the mask buffer came"
+            apply_token_masks(logits, np.asarray(msg.guide_rows, dtype=np.int64),
+                              buffer.view(int(msg.mask_half[0]), len(msg.guide_rows)),
+                              page_locked=buffer.page_locked)
         if self.row_greedy[rows].all():
             next_tokens = torch.argmax(logits, dim=-1)
         else:

@@ -34,6 +34,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     _exit_with_parent(os.path.dirname(init_file))
     from minisgl_backend.distributed import destroy_process_group
     from minisgl_backend.engine.engine import Engine
+    from minisgl_backend.engine.mask_buffer import MaskBuffer
 
     try:
         engine = Engine(config, rank, init_file)
@@ -43,6 +44,8 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "vocab_size": np.asarray([engine.model_config.vocab_size], dtype=np.int64),
             "long_rope_from": np.asarray([engine.model_config.rope.long_from], dtype=np.int64),
         }))
+        # Before any step: the scheduler's guide mask buffer (its descriptor, then nothing else).
+        engine.attach_masks(MaskBuffer.receive(conn, config, engine.model_config.vocab_size))
         trace = StepTrace.from_env(f"engine-rank{rank}")  # MINISGL_TRACE_DIR
         try:
             with profiled(f"engine-rank{rank}"):

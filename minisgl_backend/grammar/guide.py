@@ -104,23 +104,30 @@ def fill_masks(guides: list[Guide], masks: np.ndarray, indices: list[int]) -> No
                                                      indices=indices)
 
 
-def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.ndarray) -> None:
+def apply_token_masks(logits: torch.Tensor, batch_rows: np.ndarray, masks: np.ndarray,
+                      page_locked: bool = False) -> None:
     """Disallowed tokens of the guided rows (`batch_rows` of `logits`, their masks row-major
-    in `masks`) to -inf, in place; the other rows are left alone."""
+    in `masks`) to -inf, in place; the other rows are left alone. `page_locked`: `masks` lies in
+    memory registered with CUDA (the engine's mask buffer), copied to the device as it is."""
+    masks = masks.reshape(len(batch_rows), mask_words(logits.shape[-1]))
+    in_order = len(batch_rows) == logits.shape[0] and bool(
+        (batch_rows == np.arange(len(batch_rows))).all())
+    if logits.device.type == "cuda":
+        from kernels.token_masks import apply_bitmask
+
+        # Never from ordinary memory: such a copy waits for the forward to end.
+        device_masks = (torch.from_numpy(masks).to(logits.device, non_blocking=True)
+                        if page_locked else host_to_device(masks, logits.device))
+        apply_bitmask(logits, device_masks,
+                      None if in_order else host_to_device(batch_rows, logits.device,
+                                                           torch.int32))
+        return
     import xgrammar as xgr
 
-    words = mask_words(logits.shape[-1])
-    indices: list[int] | torch.Tensor | None = None
-    if len(batch_rows) == logits.shape[0] and (batch_rows == np.arange(len(batch_rows))).all():
-        full = masks.reshape(len(batch_rows), words)  # every row guided, in order
-    else:
-        full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all allowed
-        full[batch_rows] = masks.reshape(len(batch_rows), words)
-        # On a GPU as a device tensor: xgrammar copies a list from ordinary memory, which
-        # waits for the forward to end.
-        indices = (host_to_device(batch_rows, logits.device, torch.int32)
-                   if logits.device.type == "cuda" else [int(r) for r in batch_rows])
-    # Through pinned memory, for the same reason.
-    bitmask = host_to_device(full, logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+    full, indices = masks, None
+    if not in_order:  # xgrammar's rows with indices are the logits' rows
+        full = np.full((logits.shape[0], masks.shape[1]), -1, dtype=np.int32)  # all allowed
+        full[batch_rows] = masks
+        indices = [int(r) for r in batch_rows]
+    xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(full), vocab_size=logits.shape[-1],
                                     indices=indices)

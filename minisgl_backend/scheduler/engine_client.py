@@ -42,6 +42,12 @@ class EngineClient:
                 self._conns.append(parent)
                 self._procs.append(proc)
             ready = [self._receive(conn, protocol.READY, startup_timeout) for conn in self._conns]
+            # Where the scheduler writes the guided rows' token masks for the ranks to read:
+            # every rank gets the shared memory's descriptor before any step.
+            self.masks = MaskBuffer.of_engine(config, int(ready[0]["vocab_size"][0]))
+            for conn, proc in zip(self._conns, self._procs):
+                self.masks.share(conn, proc.pid)  # type: ignore[arg-type]
+            self.masks.close_handle()
         except BaseException:
             self.shutdown()
             raise
@@ -49,9 +55,6 @@ class EngineClient:
         self.max_seq_len = int(ready[0]["max_seq_len"][0])
         # LongRoPE's pretraining length (0: the model has no LongRoPE).
         self.long_rope_from = int(ready[0]["long_rope_from"][0])
-        # Where the scheduler writes the guided rows' token masks for the ranks to read.
-        self.masks = MaskBuffer.of_engine(self._tmpdir, config, int(ready[0]["vocab_size"][0]),
-                                          create=True)
 
     @property
     def private_dir(self) -> str:

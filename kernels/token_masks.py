@@ -1,0 +1,44 @@
+"""Grammar token masks applied to a step's logits in one kernel.
+
+A mask row is xgrammar's bitmask: int32 words, bit `t % 32` of word `t // 32` set when token
+`t` may be sampled. Programs over (mask row, vocabulary chunk) set every disallowed logit of
+the row to -inf. Mask row i belongs to logits row `rows[i]` (every row in order when `rows` is
+None). This is xgrammar's own Triton kernel's rule; its launcher (device properties looked up
+twice, its argument checks) took about 0.1 ms of host time a step, which a guided decode step
+of a small model waits for.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # tokens a program covers (128 mask words)
+
+
+@triton.jit
+def _apply_bitmask_kernel(logits_ptr, logits_stride, mask_ptr, mask_stride, rows_ptr, vocab,
+                          HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    inside = offs < vocab
+    words = tl.load(mask_ptr + i.to(tl.int64) * mask_stride + offs // 32, mask=inside, other=-1)
+    banned = ((words >> (offs % 32)) & 1) == 0
+    tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & banned)
+
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> None:
+    """Disallowed tokens to -inf, in place: mask row i ([n, words] int32, on the logits'
+    device) covers logits row `rows[i]` (int32 or int64), or row i when `rows` is None."""
+    n, vocab = masks.shape[0], logits.shape[-1]
+    if n == 0:
+        return
+    _apply_bitmask_kernel[(n, triton.cdiv(vocab, BLOCK))](
+        logits, logits.stride(0), masks, masks.stride(0), rows if rows is not None else masks,
+        vocab, HAS_ROWS=rows is not None, BLOCK=BLOCK)
