@@ -39,6 +39,7 @@ from bench_structured_output import PEOPLE
 
 from minisgl_backend.benchmark.tokenizer import committed_tokenizer
 from minisgl_backend.engine import protocol
+from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar.guide import (
     Guide,
     apply_token_masks,
@@ -101,7 +102,10 @@ def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: in
     """The table's cells for `rows` guided rows."""
     guides = [Guide(compiled, set()) for _ in range(rows)]
     walk(guides, words, rng, 40)
-    masks = np.empty((rows, words), dtype=np.int32)
+    # In the shared mask buffer, page-locked on a GPU: where the engine copies masks from.
+    buffer = MaskBuffer(rows, words)
+    page_locked = device.type == "cuda" and buffer.lock_pages()
+    masks = buffer.view(0, rows)
     indices = list(range(rows))
     matchers = [g.matcher for g in guides]
 
@@ -129,7 +133,7 @@ def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: in
     logits = torch.zeros(rows, vocab_size, device=device)
 
     def apply() -> None:
-        apply_token_masks(logits, np.arange(rows), masks)
+        apply_token_masks(logits, np.arange(rows), masks, page_locked=page_locked)
         if device.type == "cuda":
             torch.cuda.synchronize()
 

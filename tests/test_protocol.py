@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import multiprocessing
 import os
 from multiprocessing import reduction
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
