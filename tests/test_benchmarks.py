@@ -25,8 +25,8 @@ from minisgl_backend.models import ModelConfig
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 COMMON = ["--device", "cpu", "--max-total-tokens", "4096"]
 RUNS: dict[str, list[str]] = {
-    "bench_decode": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens", "24",
-                     "--prompt-len", "4", "--repeats", "1", "--copy-mib", "16"],
+    "bench_decode": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens", "48",
+                     "--prompt-len", "4", "--repeats", "2", "--copy-mib", "16"],
     "bench_offline": ["--shape", "tiny-qwen3", "--num-requests", "4", "--min-len", "4",
                       "--max-len", "12", "--detokenize", "both"],
     "bench_speculative": ["--shape", "tiny-llama", "--batch-sizes", "1", "2", "--new-tokens",
