@@ -362,8 +362,8 @@ def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
 def test_bench_sampling_controls_runs_the_configs_asked_for() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_sampling_controls.py"), *COMMON, "--shape",
-         "tiny-qwen3", "--batch-sizes", "1", "--max-tokens", "8", "--prompt-len", "4",
-         "--repeats", "1", "--configs", "logprobs", "min_p"],
+         "tiny-qwen3", "--batch-sizes", "1", "--max-tokens", "32", "--prompt-len", "4",
+         "--repeats", "2", "--configs", "logprobs", "min_p"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-4000:]
     _, rows = last_table(run.stdout)
