@@ -49,7 +49,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + req).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)  # int32 or int64 lengths
     first = 0  # the first key attended to
     lo = 0  # where the splits begin: `first` rounded down to a block, so blocks stay aligned
     if SLIDING:

@@ -342,6 +342,9 @@ class Batch:
     out_slots: torch.Tensor  # [num_tokens] flat KV slot each new token's K/V is written to
     extend_lens: list[int]  # tokens computed per request (on cpu)
     seq_lens: list[int]  # total tokens per request after this step (on cpu)
+    # Decode steps: seq_lens on the device (int64), which is also the position of the token
+    # each entry samples. None where the engine did not upload it.
+    seq_lens_device: torch.Tensor | None = None
     attn_metadata: Any = None
     # Prefill steps of requests that return their prompt's logits: the indices (into this
     # step's tokens) whose logits the model also computes, and those logits once it has.

@@ -7,13 +7,17 @@ prefill attends request by request; decode gathers a padded [batch, max_len] blo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.core import Batch
 from minisgl_backend.kvcache.pool import PagedKVPool
+
+IntArray = TypeVar("IntArray", torch.Tensor, np.ndarray)
 
 
 @dataclass
@@ -35,11 +39,13 @@ class TorchAttnMetadata:
         return self._window_masks[window]
 
 
-def token_slots(page_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                page_size: int) -> torch.Tensor:
-    """Flat pool slot of each (row, position) pair."""
-    pages = page_table[rows, torch.div(positions, page_size, rounding_mode="floor")]
-    return pages.long() * page_size + positions % page_size
+def token_slots(page_table: IntArray, rows: IntArray, positions: IntArray,
+                page_size: int) -> IntArray:
+    """Flat pool slot of each (row, position) pair: on the device (torch tensors) or, from the
+    engine's host copy of its page table, on the host (numpy arrays). `positions` is int64."""
+    pages = page_table[rows, positions // page_size]
+    pages = pages.astype(np.int64) if isinstance(pages, np.ndarray) else pages.long()
+    return pages * page_size + positions % page_size
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -77,7 +77,9 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: Batch, page_table: torch.Tensor) -> None:
         bs = batch.size
         if batch.is_decode:
-            seq_lens = host_to_device(batch.seq_lens, self.device, torch.int32)
+            seq_lens = batch.seq_lens_device
+            if seq_lens is None:
+                seq_lens = host_to_device(batch.seq_lens, self.device, torch.int32)
             splits = self.num_splits(bs)
             batch.attn_metadata = TritonAttnMetadata(
                 page_table=page_table, rows=batch.rows, seq_lens=seq_lens, num_splits=splits,
@@ -136,21 +138,34 @@ class TritonAttentionBackend(AttentionBackend):
         graph.page_table = page_table
         bs = batch.size
         assert bs <= graph.max_bs, f"batch of {bs} > init_cuda_graph's max_bs {graph.max_bs}"
-        graph.fill(batch, page_table.shape[0] - 1)
+        if batch.seq_lens_device is not None:
+            # The graph runner's own static rows and lengths, which it fills before every
+            # replay: the kernels read them in place.
+            rows, seq_lens = batch.rows, batch.seq_lens_device
+            graph.adopted = (rows.data_ptr(), seq_lens.data_ptr())
+        else:
+            graph.fill(batch, page_table.shape[0] - 1)
+            rows, seq_lens = graph.rows[:bs], graph.seq_lens[:bs]
         batch.attn_metadata = TritonAttnMetadata(
-            page_table=page_table, rows=graph.rows[:bs], seq_lens=graph.seq_lens[:bs],
+            page_table=page_table, rows=rows, seq_lens=seq_lens,
             num_splits=self.num_splits(bs), workspace=graph.workspace,
         )
 
     def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:
         """Copy this step's rows and lengths into the static buffers, on the device only (no
         host copy that could wait for the GPU). `batch` is the real batch or one padded to the
-        graph's size; entries past batch.size get the dummy row and length 0 (output zeros)."""
+        graph's size; entries past batch.size get the dummy row and length 0 (output zeros).
+        Nothing to copy where the capture adopted the batch's own rows and lengths."""
         graph = self._graph
         assert graph is not None and graph.page_table is not None, "no CUDA graph was captured"
         if not _same_tensor(page_table, graph.page_table):
             raise RuntimeError("replay with another page table than the graphs were captured with")
-        graph.fill(batch, page_table.shape[0] - 1)
+        if graph.adopted is None:
+            graph.fill(batch, page_table.shape[0] - 1)
+        elif batch.seq_lens_device is None or graph.adopted != (
+                batch.rows.data_ptr(), batch.seq_lens_device.data_ptr()):
+            raise RuntimeError("the graphs read the graph runner's static rows and lengths: "
+                               "replay with them")
 
 
 @dataclass
@@ -162,6 +177,9 @@ class _GraphBuffers:
     seq_lens: torch.Tensor  # [max_bs] int32
     workspace: DecodeWorkspace
     page_table: torch.Tensor | None = None
+    # Set where the captured batch brought its own device lengths (`Batch.seq_lens_device`):
+    # the addresses of its rows and lengths, which the graphs then read instead of these.
+    adopted: tuple[int, int] | None = None
 
     @staticmethod
     def allocate(backend: TritonAttentionBackend, max_bs: int) -> _GraphBuffers:

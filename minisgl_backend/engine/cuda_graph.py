@@ -3,14 +3,21 @@
 A decode step launches hundreds of small kernels; at small batch sizes their launch overhead
 exceeds their run time. Each batch size in a list is captured once (largest first, all graphs
 sharing one memory pool); a decode batch is padded with dummy requests up to the next captured
-size, its inputs are copied into the graphs' static tensors, the attention backend updates its
-metadata in place, and the graph is replayed.
+size and replayed.
+
+The host prepares a step in one copy: `stage` writes the step's table rows, positions, KV slots,
+lengths and new page-table entries (all computed on the host) into one pinned array, padded with
+dummy requests, and copies it into the graphs' static input tensor. The graph itself gathers the
+input ids from the engine's token pool, so a step costs the host two launches before the replay
+(the copy and the page-table update) instead of one per input tensor.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minisgl_backend.attention.base import AttentionBackend
@@ -25,23 +32,31 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+# The rows of the staged input tensor, in order.
+STAGED_ROWS = ("rows", "positions", "out_slots", "seq_lens", "page_index", "page_value")
+_ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS, _PAGE_INDEX, _PAGE_VALUE = range(len(STAGED_ROWS))
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, ctx: Context, backend: AttentionBackend,
-                 max_bs: int, page_table: torch.Tensor, dummy_slot: int) -> None:
+                 max_bs: int, page_table: torch.Tensor, token_pool: torch.Tensor,
+                 dummy_page: int, page_size: int) -> None:
         self.model = model
         self.ctx = ctx
         self.backend = backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.page_table = page_table
-        self.dummy_row = dummy_row = page_table.shape[0] - 1  # maps every page to the dummy page
-        self.dummy_slot = dummy_slot
+        self.token_pool = token_pool
+        dummy_row = page_table.shape[0] - 1  # maps every page to the dummy page
         device = page_table.device
-        # Static inputs: dummy requests (dummy row, position 0, the dummy KV slot) by default.
+        # Padding: dummy requests (dummy row, position 0, the dummy KV slot, length 0 which
+        # attends to nothing). Only a step's own page-table entries are applied.
+        self._padding = np.zeros((len(STAGED_ROWS), self.max_bs), dtype=np.int64)
+        self._padding[_ROWS] = dummy_row
+        self._padding[_OUT_SLOTS] = dummy_page * page_size
+        self.staged = torch.from_numpy(self._padding).to(device)
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.out_slots = torch.full((self.max_bs,), dummy_slot, dtype=torch.int64, device=device)
-        self.rows = torch.full((self.max_bs,), dummy_row, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         backend.init_cuda_graph(self.max_bs)
@@ -49,40 +64,64 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):
             self._capture(bs, pool)
 
+    def fits(self, count: int) -> bool:
+        """Whether this many entries (or new page-table entries) of a decode step fit the
+        graphs' static inputs."""
+        return count <= self.max_bs
+
+    def stage(self, columns: Sequence[np.ndarray], page_index: np.ndarray,
+              page_value: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Upload a decode step's rows, positions, out slots and seq_lens (`columns`, in that
+        order, one entry each) and apply its new page-table entries (flat indices into the
+        table, page ids; at most `max_bs`) in one copy. Returns device views of the four."""
+        n, m = len(columns[0]), len(page_index)
+        assert n <= self.max_bs and m <= self.max_bs, f"{n} entries, {m} pages > {self.max_bs}"
+        host = torch.empty(self._padding.shape, dtype=torch.int64, pin_memory=True)
+        array = host.numpy()
+        array[:] = self._padding
+        for i, column in enumerate(columns):
+            array[i, :n] = column
+        array[_PAGE_INDEX, :m] = page_index
+        array[_PAGE_VALUE, :m] = page_value
+        # The caching host allocator keeps `host` until this copy has run.
+        self.staged.copy_(host, non_blocking=True)
+        if m:
+            self.page_table.view(-1)[self.staged[_PAGE_INDEX, :m]] = \
+                self.staged[_PAGE_VALUE, :m].to(torch.int32)
+        return tuple(self.staged[i, :n] for i in (_ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS))
+
     def _static_batch(self, bs: int, seq_lens: list[int]) -> Batch:
-        return Batch(phase="decode", rows=self.rows[:bs], input_ids=self.input_ids[:bs],
-                     positions=self.positions[:bs], out_slots=self.out_slots[:bs],
-                     extend_lens=[1] * bs, seq_lens=seq_lens)
+        staged = self.staged
+        return Batch(phase="decode", rows=staged[_ROWS, :bs], input_ids=self.input_ids[:bs],
+                     positions=staged[_POSITIONS, :bs], out_slots=staged[_OUT_SLOTS, :bs],
+                     extend_lens=[1] * bs, seq_lens=seq_lens,
+                     seq_lens_device=staged[_SEQ_LENS, :bs])
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """What a graph runs: gather the input ids from the token pool, then the model."""
+        bs = batch.size
+        self.input_ids[:bs].copy_(self.token_pool[batch.rows, batch.positions])
+        return self.model()
 
     def _capture(self, bs: int, pool: tuple) -> None:
         batch = self._static_batch(bs, [1] * bs)
         self.backend.prepare_for_capture(batch, self.page_table)
         with self.ctx.forward_batch(batch):
-            self.model()  # warm-up: lazy initialization and kernel selection happen outside
+            self._forward(batch)  # warm-up: lazy initialization and kernel selection
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model()
+                logits = self._forward(batch)
         self.graphs[bs] = graph
         self.logits[bs] = logits
 
-    def can_run(self, batch: Batch) -> bool:
-        return batch.is_decode and batch.size <= self.max_bs
-
-    def run(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
-        """Logits [batch.size, vocab] of a decode batch (a view of the graph's output)."""
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Logits [batch.size, vocab] of a decode batch made by `stage` (a view of the graph's
+        output; the batch's input ids are filled in by the replay)."""
+        assert batch.rows.data_ptr() == self.staged.data_ptr(), "the batch was not staged"
         n = batch.size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_slots[:n].copy_(batch.out_slots)
-        self.rows[:n].copy_(batch.rows)
-        if bs > n:  # the padding rows may hold a real request's values from an earlier step
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_slots[n:bs].fill_(self.dummy_slot)
-            self.rows[n:bs].fill_(self.dummy_row)
         padded = self._static_batch(bs, list(batch.seq_lens) + [1] * (bs - n))
-        self.backend.prepare_for_replay(padded, page_table)
+        self.backend.prepare_for_replay(padded, self.page_table)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

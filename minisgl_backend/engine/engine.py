@@ -162,7 +162,7 @@ class Engine:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
                 min(config.cuda_graph_max_bs, config.max_samples), self.page_table,
-                dummy_slot=self.kv_pool.dummy_slot)
+                self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size)
 
     def _use_cuda_graphs(self) -> bool:
         # MoE layers need the fused Triton path: the torch one reads expert ids on the host.
@@ -176,6 +176,9 @@ class Engine:
         max_pages = -(-self.max_seq_len // self.page_size)
         self.page_table = torch.full((num_rows, max_pages), self.kv_pool.dummy_page,
                                      dtype=torch.int32, device=dev)
+        # Its copy on the host, from which each step's KV slots are computed without a kernel.
+        self.host_page_table = np.full((num_rows, max_pages), self.kv_pool.dummy_page,
+                                       dtype=np.int32)
         # +1 column: the token sampled after the last position still has a place to go.
         self.token_pool = torch.zeros((num_rows, self.max_seq_len + 1), dtype=torch.int32,
                                       device=dev)
@@ -242,22 +245,23 @@ class Engine:
             self._set_min_lens(msg)
         if len(msg.long_rope_rows):
             self._start_long_rope(msg)
-        self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
-                            np.asarray(msg.page_counts, dtype=np.int64),
-                            np.asarray(msg.new_pages, dtype=np.int64))
-        batch, rows = self._make_batch(rows, msg)
+        new_pages = self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
+                                        np.asarray(msg.page_counts, dtype=np.int64),
+                                        np.asarray(msg.new_pages, dtype=np.int64))
+        batch, rows, graphed = self._make_batch(rows, msg, new_pages)
         if self.timeline is not None:
             self.timeline.forward()
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.run(batch, self.page_table)
+        if graphed:
+            assert self.graph_runner is not None
+            logits = self.graph_runner.run(batch)
         else:
             self.attn_backend.prepare(batch, self.page_table)
             with self.ctx.forward_batch(batch):
                 logits = self.model()
-        # The sampled token's position: it seeds sampling and is where the token pool keeps it.
-        if batch.is_decode:
-            next_positions = batch.positions + 1
-        else:
+        # The sampled token's position (a row's length once it is appended): it seeds
+        # sampling and is where the token pool keeps it.
+        next_positions = batch.seq_lens_device
+        if next_positions is None:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
         step = StartedStep(msg, rows, batch, logits, next_positions,
                            np.asarray(batch.seq_lens, dtype=np.int64),
@@ -366,26 +370,25 @@ class Engine:
         for i in early.tolist():
             logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 
-    def _map_new_pages(self, rows: np.ndarray, counts: np.ndarray, pages: np.ndarray) -> None:
-        if len(pages) == 0:
-            return
+    def _map_new_pages(self, rows: np.ndarray, counts: np.ndarray,
+                       pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Enter the new pages in the host page table. Returns the entries the device table
+        still needs: flat indices into it and page ids (`_upload_pages`)."""
         row_of_page = np.repeat(rows, counts)
         cols = ranges(self.row_pages[rows], counts)
-        row_t, col_t, page_t = stack_to_device([row_of_page, cols, pages], self.device)
-        self.page_table[row_t, col_t] = page_t.to(torch.int32)
+        self.host_page_table[row_of_page, cols] = pages
         np.add.at(self.row_pages, rows, counts)
+        return row_of_page * self.page_table.shape[1] + cols, pages
 
-    def _make_batch(self, rows: np.ndarray, msg: StepMessage) -> tuple[Batch, np.ndarray]:
-        """The step's batch, and the table row of each of its entries (on cpu)."""
-        dev = self.device
-        if not len(msg.starts):  # a decode step (the common case)
-            rows_t, positions = stack_to_device([rows, self.row_len[rows]], dev)
-            input_ids = self.token_pool[rows_t, positions]
-            self.row_len[rows] += 1
-            out_slots = token_slots(self.page_table, rows_t, positions, self.page_size)
-            return Batch(phase="decode", rows=rows_t, input_ids=input_ids.long(),
-                         positions=positions, out_slots=out_slots, extend_lens=[1] * len(rows),
-                         seq_lens=self.row_len[rows].tolist()), rows
+    def _upload_pages(self, new_pages: tuple[np.ndarray, np.ndarray]) -> None:
+        if len(new_pages[0]):
+            index, pages = stack_to_device(new_pages, self.device)
+            self.page_table.view(-1)[index] = pages.to(torch.int32)
+
+    def _make_batch(self, rows: np.ndarray, msg: StepMessage,
+                    new_pages: tuple[np.ndarray, np.ndarray]) -> tuple[Batch, np.ndarray, bool]:
+        """The step's batch, the table row of each of its entries (on cpu), and whether it
+        replays a CUDA graph (then the graph runner has staged its inputs)."""
         # The first len(starts) rows send their tokens from a start position (prompt chunks;
         # in decode steps, a last sampled token and its drafts); the others compute the token
         # the engine sampled last for them, from its token pool.
@@ -393,36 +396,64 @@ class Engine:
         lens = np.asarray(msg.extend_lens, dtype=np.int64)
         given, others = rows[: len(starts)], rows[len(starts):]
         num_given = int(lens.sum())
-        token_rows = np.concatenate([np.repeat(given, lens), others])
-        host_positions = np.concatenate([ranges(starts, lens), self.row_len[others]])
-        row_of_token, positions, tokens = stack_to_device(
-            [token_rows, host_positions,
-             np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
-                             np.zeros(len(others), np.int64)])], dev)
-        given_tokens = tokens[:num_given].to(torch.int32)
-        self.token_pool[row_of_token[:num_given], positions[:num_given]] = given_tokens
-        input_ids = torch.cat([given_tokens, self.token_pool[row_of_token[num_given:],
-                                                             positions[num_given:]]])
+        token_rows = np.concatenate([np.repeat(given, lens), others]) if len(starts) else rows
+        positions = (np.concatenate([ranges(starts, lens), self.row_len[others]])
+                     if len(starts) else self.row_len[rows])
         self.row_len[given] = starts + lens
         self.row_len[others] += 1
-        out_slots = token_slots(self.page_table, row_of_token, positions, self.page_size)
-        if not msg.is_prefill:
-            # Each token is a decode row of its own (its table row repeated), attending to the
-            # row's tokens up to itself: the tokens' KV is stored before attention runs, so
-            # this is causal attention, and it runs on the decode kernels and CUDA graphs.
-            return Batch(phase="decode", rows=row_of_token, input_ids=input_ids.long(),
-                         positions=positions, out_slots=out_slots,
-                         extend_lens=[1] * len(token_rows),
-                         seq_lens=(host_positions + 1).tolist()), token_rows
+        out_slots = token_slots(self.host_page_table, token_rows, positions, self.page_size)
+        if msg.is_prefill:
+            return self._prefill_batch(rows, msg, new_pages, token_rows, positions, out_slots,
+                                       num_given), rows, False
+        # A decode step. Each token is a decode row of its own (its table row repeated),
+        # attending to the row's tokens up to itself: the tokens' KV is stored before attention
+        # runs, so with drafts this is causal attention on the decode kernels and CUDA graphs.
+        seq_lens = positions + 1
+        runner = self.graph_runner
+        graphed = (runner is not None and runner.fits(len(token_rows))
+                   and runner.fits(len(new_pages[0])))
+        host = [token_rows, positions, out_slots, seq_lens]
+        if graphed:
+            assert runner is not None
+            rows_t, positions_t, slots_t, seq_lens_t = runner.stage(host, *new_pages)
+        else:
+            self._upload_pages(new_pages)
+            rows_t, positions_t, slots_t, seq_lens_t = stack_to_device(host, self.device)
+        if num_given:
+            tokens = host_to_device(np.asarray(msg.tokens, dtype=np.int64), self.device,
+                                    torch.int32)
+            self.token_pool[rows_t[:num_given], positions_t[:num_given]] = tokens
+        # A replayed graph gathers its input ids itself.
+        input_ids = (runner.input_ids[: len(token_rows)] if graphed and runner is not None
+                     else self.token_pool[rows_t, positions_t].long())
+        return Batch(phase="decode", rows=rows_t, input_ids=input_ids, positions=positions_t,
+                     out_slots=slots_t, extend_lens=[1] * len(token_rows),
+                     seq_lens=seq_lens.tolist(), seq_lens_device=seq_lens_t), token_rows, graphed
+
+    def _prefill_batch(self, rows: np.ndarray, msg: StepMessage,
+                       new_pages: tuple[np.ndarray, np.ndarray], token_rows: np.ndarray,
+                       positions: np.ndarray, out_slots: np.ndarray, num_given: int) -> Batch:
+        dev = self.device
+        self._upload_pages(new_pages)
+        lens = np.asarray(msg.extend_lens, dtype=np.int64)
+        others = rows[len(lens):]
+        tokens = np.concatenate([np.asarray(msg.tokens, dtype=np.int64),
+                                 np.zeros(len(others), np.int64)])
+        row_of_token, positions_t, tokens_t, slots_t = stack_to_device(
+            [token_rows, positions, tokens, out_slots], dev)
+        given_tokens = tokens_t[:num_given].to(torch.int32)
+        self.token_pool[row_of_token[:num_given], positions_t[:num_given]] = given_tokens
+        input_ids = torch.cat([given_tokens, self.token_pool[row_of_token[num_given:],
+                                                             positions_t[num_given:]]])
         batch = Batch(phase="prefill", rows=host_to_device(rows, dev),
-                      input_ids=input_ids.long(), positions=positions, out_slots=out_slots,
+                      input_ids=input_ids.long(), positions=positions_t, out_slots=slots_t,
                       extend_lens=lens.tolist() + [1] * len(others),
                       seq_lens=self.row_len[rows].tolist(), long_rope=self.row_long[rows])
         if len(msg.context_rows):  # their prompt tokens' logits too
             picked = np.asarray(msg.context_rows, dtype=np.int64)
             offsets = np.cumsum(lens) - lens
             batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
-        return batch, rows
+        return batch
 
     def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor,
                           host_positions: np.ndarray) -> SamplingTensors:
