@@ -9,7 +9,7 @@ The host prepares a step in one copy: `stage` writes the step's table rows, posi
 lengths and new page-table entries (all computed on the host) into one pinned array, padded with
 dummy requests, and copies it into the graphs' static input tensor. The graph itself gathers the
 input ids from the engine's token pool, so a step costs the host two launches before the replay
-(the copy and the page-table update) instead of one per input tensor.
+(the copy and the engine's page-table update) instead of one per input tensor.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ class CudaGraphRunner:
     def stage(self, columns: Sequence[np.ndarray], page_index: np.ndarray,
               page_value: np.ndarray) -> tuple[torch.Tensor, ...]:
         """Upload a decode step's rows, positions, out slots and seq_lens (`columns`, in that
-        order, one entry each) and apply its new page-table entries (flat indices into the
-        table, page ids; at most `max_bs`) in one copy. Returns device views of the four."""
+        order, one entry each) and its new page-table entries (flat indices into the table,
+        page ids; at most `max_bs`) in one copy. Returns device views of the six (the caller
+        enters the pages in its table)."""
         n, m = len(columns[0]), len(page_index)
         assert n <= self.max_bs and m <= self.max_bs, f"{n} entries, {m} pages > {self.max_bs}"
         host = torch.empty(self._padding.shape, dtype=torch.int64, pin_memory=True)
@@ -85,10 +86,8 @@ class CudaGraphRunner:
         array[_PAGE_VALUE, :m] = page_value
         # The caching host allocator keeps `host` until this copy has run.
         self.staged.copy_(host, non_blocking=True)
-        if m:
-            self.page_table.view(-1)[self.staged[_PAGE_INDEX, :m]] = \
-                self.staged[_PAGE_VALUE, :m].to(torch.int32)
-        return tuple(self.staged[i, :n] for i in (_ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS))
+        return (*(self.staged[i, :n] for i in (_ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS)),
+                self.staged[_PAGE_INDEX, :m], self.staged[_PAGE_VALUE, :m])
 
     def _static_batch(self, bs: int, seq_lens: list[int]) -> Batch:
         staged = self.staged

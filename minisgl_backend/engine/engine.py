@@ -382,7 +382,11 @@ class Engine:
 
     def _upload_pages(self, new_pages: tuple[np.ndarray, np.ndarray]) -> None:
         if len(new_pages[0]):
-            index, pages = stack_to_device(new_pages, self.device)
+            self._enter_pages(*stack_to_device(new_pages, self.device))
+
+    def _enter_pages(self, index: torch.Tensor, pages: torch.Tensor) -> None:
+        """Page-table entries on the device: flat indices into the table, page ids (int64)."""
+        if len(index):
             self.page_table.view(-1)[index] = pages.to(torch.int32)
 
     def _make_batch(self, rows: np.ndarray, msg: StepMessage,
@@ -415,7 +419,8 @@ class Engine:
         host = [token_rows, positions, out_slots, seq_lens]
         if graphed:
             assert runner is not None
-            rows_t, positions_t, slots_t, seq_lens_t = runner.stage(host, *new_pages)
+            rows_t, positions_t, slots_t, seq_lens_t, *pages_t = runner.stage(host, *new_pages)
+            self._enter_pages(*pages_t)
         else:
             self._upload_pages(new_pages)
             rows_t, positions_t, slots_t, seq_lens_t = stack_to_device(host, self.device)
