@@ -44,7 +44,7 @@ def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, top_val_ptr, top
 
 @triton.jit
 def _row_top_kernel(max_ptr, sum_ptr, top_val_ptr, top_id_ptr, lse_ptr, out_val_ptr, out_id_ptr,
-                    num_chunks, top, K: tl.constexpr, CHUNKS_P2: tl.constexpr):
+                    out_stride, num_chunks, top, K: tl.constexpr, CHUNKS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
     mass = row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max)
@@ -59,23 +59,32 @@ def _row_top_kernel(max_ptr, sum_ptr, top_val_ptr, top_id_ptr, lse_ptr, out_val_
         best = tl.max(cand, 0)
         best_id = tl.min(tl.where(cand == best, ids, 2147483647), 0)
         if j < top:
-            tl.store(out_val_ptr + row * top + j, best - lse)
-            tl.store(out_id_ptr + row * top + j, best_id)
+            tl.store(out_val_ptr + row * out_stride + j, best - lse)
+            tl.store(out_id_ptr + row * out_stride + j, best_id)
         cand = tl.where(ids == best_id, float("-inf"), cand)
 
 
-def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096
+def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of `logits` [rows, vocab] (any float dtype): each row's logsumexp (float32 [rows]) and
     its `top` most likely tokens' log-probabilities (float32 [rows, top], descending; equal
-    ones lowest id first) and ids (int32 [rows, top]: what the step's reply carries)."""
+    ones lowest id first) and ids (int32 [rows, top]: what the step's reply carries). `out`:
+    where to write the last two (views with one row stride and unit column stride, e.g.
+    columns of one table)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
     lse = torch.empty(rows, dtype=torch.float32, device=device)
-    top_lp = torch.empty(rows, top, dtype=torch.float32, device=device)
-    top_ids = torch.empty(rows, top, dtype=torch.int32, device=device)
+    if out is None:
+        top_lp = torch.empty(rows, top, dtype=torch.float32, device=device)
+        top_ids = torch.empty(rows, top, dtype=torch.int32, device=device)
+    else:
+        top_lp, top_ids = out
+        assert top_lp.dtype == torch.float32 and top_ids.dtype == torch.int32
+        assert top_lp.shape == top_ids.shape == (rows, top)
+        assert top_lp.stride() == top_ids.stride() and (top <= 1 or top_lp.stride(1) == 1)
     if rows == 0:
         return lse, top_lp, top_ids
     k = triton.next_power_of_2(max(top, 1))
@@ -88,6 +97,7 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096
         logits, logits.stride(0), chunk_max, chunk_sum, cand_val, cand_id, vocab, num_chunks,
         CHUNK=chunk, K=k, num_warps=4)
     _row_top_kernel[(rows,)](
-        chunk_max, chunk_sum, cand_val, cand_id, lse, top_lp, top_ids, num_chunks, top, K=k,
-        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)), num_warps=4)
+        chunk_max, chunk_sum, cand_val, cand_id, lse, top_lp, top_ids, top_lp.stride(0),
+        num_chunks, top, K=k, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
+        num_warps=4)
     return lse, top_lp, top_ids

@@ -4,10 +4,12 @@ one partial; ties are broken towards the lowest id."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kernels.logprobs import _row_top_kernel, logprob_stats
+from minisgl_backend.engine.protocol import LogprobColumns, StepReply, decode
 from tests.kernel_targets import devices
 
 # The interpreter's numpy warns about -inf - -inf in the branch that tl.where then discards.
@@ -53,3 +55,28 @@ def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtyp
 def test_logprob_stats_of_no_rows(device: str) -> None:
     lse, top_lp, top_ids = logprob_stats(torch.zeros(0, VOCAB, device=device), 3)
     assert lse.shape == (0,) and top_lp.shape == top_ids.shape == (0, 3)
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+@pytest.mark.parametrize("top", [0, 3])
+def test_logprob_stats_write_into_the_steps_table(device: str, top: int) -> None:
+    """`out`: the top columns of one `LogprobColumns` table (ids as int32 bit patterns), the
+    token column left alone; equal to the kernels' own outputs."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1)).to(device)
+    cols = LogprobColumns(top)
+    table = torch.full((4, cols.width), 7.0, device=device)
+    lse, top_lp, top_ids = logprob_stats(logits, top, chunk=CHUNK, out=(
+        table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)))
+    want_lse, want_lp, want_ids = logprob_stats(logits, top, chunk=CHUNK)
+    assert torch.equal(lse, want_lse)
+    assert top_lp.data_ptr() == table[:, cols.top_logprobs].data_ptr()
+    assert torch.equal(table[:, cols.top_logprobs], want_lp)
+    assert torch.equal(table[:, cols.top_ids].view(torch.int32), want_ids)
+    assert (table[:, cols.token] == 7.0).all()
+    # The reply reads the same table back on the host.
+    reply = StepReply(np.zeros(4, np.int32), lp_rows=np.array([0, 2, 3, 5], np.int32),
+                      logprobs=table.cpu().numpy().reshape(-1))
+    read = StepReply.from_arrays(decode(reply.to_bytes())[1]).logprobs_of()
+    assert sorted(read) == [0, 2, 3, 5]
+    token, ids, values = read[2]
+    assert token == 7.0 and ids == want_ids[1].tolist() and values == want_lp[1].tolist()

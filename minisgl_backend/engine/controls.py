@@ -20,7 +20,7 @@ import torch
 
 from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES, penalties_active
 from minisgl_backend.device_copy import host_to_device
-from minisgl_backend.engine.protocol import StepMessage, ranges
+from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, ranges
 from minisgl_backend.layers.fast_ops import use_triton_kernels
 
 
@@ -51,12 +51,10 @@ def _host_dtype(dtype: str) -> type:
 
 @dataclass
 class LogprobReport:
-    """Device tensors of one step's log-probabilities, for the rows that asked (batch order)."""
+    """One step's log-probabilities on the device, for the rows that asked (batch order)."""
 
     batch_rows: np.ndarray  # [m] on cpu: batch indices of the rows
-    token: torch.Tensor  # [m] float32: log-probability of the sampled token
-    top_ids: torch.Tensor  # [m, top] int64, or int32 (Triton kernels)
-    top_logprobs: torch.Tensor  # [m, top] float32
+    table: torch.Tensor  # [m, LogprobColumns.width] float32, every column filled
 
 
 @dataclass
@@ -65,12 +63,11 @@ class RawLogprobs:
     edit the logits and the tokens are sampled), for the rows that asked (batch order)."""
 
     batch_rows: np.ndarray  # [m] on cpu: batch indices of the rows
-    # [m, vocab]: float32 log-probabilities (torch path), or a copy of the raw logits rows
-    # with `lse` their logsumexp (Triton kernels: the full log-softmax is never written).
+    # [m, vocab]: float32 log-probabilities (torch path), or the raw logits rows with `lse`
+    # their logsumexp (Triton kernels: the full log-softmax is never written).
     values: torch.Tensor
     lse: torch.Tensor | None  # [m] float32
-    top_logprobs: torch.Tensor  # [m, top] float32, descending
-    top_ids: torch.Tensor  # [m, top] int64, or int32 (Triton kernels)
+    table: torch.Tensor  # [m, LogprobColumns.width] float32: the top columns filled
 
 
 class LogitControls:
@@ -223,37 +220,48 @@ class LogitControls:
 
     # ----- a step ------------------------------------------------------------------------
 
-    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> RawLogprobs | None:
-        """What the rows reporting log-probabilities need of the raw logits (taken before any
-        control changes them); None if no row asks."""
+    def edits(self, rows: np.ndarray) -> bool:
+        """Some row of the batch has its logits edited in place by `apply`."""
+        return bool((self.penalized[rows] | self.biased[rows] | self.banned[rows]
+                     | self.min_p_rows[rows]).any())
+
+    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
+                     edited: bool) -> RawLogprobs | None:
+        """What the rows reporting log-probabilities need of the raw logits, taken before any
+        control changes them (`edited`: something will edit `logits` in place before the
+        sampled tokens' log-probabilities are read); None if no row asks."""
         wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
         if len(wanted) == 0:
             return None
         sel = logits if len(wanted) == len(rows) else logits[
             self._upload("logprob rows", rows, lambda: wanted)]
-        top = int(self.params["logprobs"][rows[wanted]].max())
+        cols = LogprobColumns(int(self.params["logprobs"][rows[wanted]].max()))
+        table = torch.empty(len(wanted), cols.width, dtype=torch.float32, device=logits.device)
+        top_lp, top_ids = table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)
         if not _kernels_edit(sel):
             logprobs = torch.log_softmax(sel, dim=-1, dtype=torch.float32)
-            top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (
-                logprobs[:, :0], logprobs[:, :0].long())
-            return RawLogprobs(wanted, logprobs, None, top_lp, top_ids)
+            top_lp[:], top_ids[:] = logprobs.topk(cols.top, dim=-1)
+            return RawLogprobs(wanted, logprobs, None, table)
         from kernels.logprobs import logprob_stats
 
-        lse, top_lp, top_ids = logprob_stats(sel, top)
-        # The raw rows are kept for the sampled tokens' logits: a copy, since the controls
-        # edit `logits` in place next (the selection of some rows is one already).
-        raw = sel.clone() if sel is logits else sel
-        return RawLogprobs(wanted, raw, lse, top_lp, top_ids)
+        lse, _, _ = logprob_stats(sel, cols.top, out=(top_lp, top_ids))
+        # The sampled tokens' raw logits are read after sampling: a copy if anything edits
+        # `logits` first (the selection of some rows is one already).
+        raw = sel.clone() if edited and sel is logits else sel
+        return RawLogprobs(wanted, raw, lse, table)
 
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
-        """The sampled tokens' log-probabilities and the top alternatives of the rows in `raw`."""
+        """The sampled tokens' log-probabilities next to the top alternatives of `raw`."""
         wanted = raw.batch_rows
         sel_tokens = tokens if len(wanted) == len(rows) else tokens[
             self._upload("logprob rows", rows, lambda: wanted)]
-        token_lp = raw.values.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1).float()
+        picked = raw.values.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
+        column = raw.table[:, LogprobColumns(0).token]
         if raw.lse is not None:
-            token_lp = token_lp - raw.lse
-        return LogprobReport(wanted, token_lp, raw.top_ids, raw.top_logprobs)
+            torch.sub(picked, raw.lse, out=column)
+        else:
+            column.copy_(picked)
+        return LogprobReport(wanted, raw.table)
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
               next_positions: torch.Tensor, seq_lens: np.ndarray) -> None:

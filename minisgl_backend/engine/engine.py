@@ -17,14 +17,14 @@ import torch
 
 from minisgl_backend.attention import create_attention_backend
 from minisgl_backend.attention.torch_ref import token_slots
-from minisgl_backend.core import Batch, Context, set_global_ctx
+from minisgl_backend.core import MAX_LOGPROBS, Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import LogitControls, LogprobReport, RawLogprobs, RowParams
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.mask_buffer import MaskBuffer
-from minisgl_backend.engine.protocol import StepMessage, StepReply, ranges
+from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.grammar import apply_token_masks
@@ -67,32 +67,53 @@ class StartedStep:
     logits_report: LogitsReport | None = None
 
 
+@dataclass
+class _HostBuffers:
+    """Page-locked host memory a step's results are copied into without blocking: the sampled
+    ids and the log-probability table. Two sets: step N+1 is launched before step N's results
+    are read."""
+
+    tokens: torch.Tensor  # int32 [rows * samples]
+    logprobs: torch.Tensor  # float32 [rows * samples * LogprobColumns(MAX_LOGPROBS).width]
+
+    @classmethod
+    def allocate(cls, samples: int) -> _HostBuffers:
+        width = LogprobColumns(MAX_LOGPROBS).width
+        return cls(torch.empty(samples, dtype=torch.int32, pin_memory=True),
+                   torch.empty(samples * width, dtype=torch.float32, pin_memory=True))
+
+    @staticmethod
+    def take(buffer: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """`src` copied (asynchronously, with a cast) into the front of `buffer`."""
+        host = buffer[: src.numel()].view(src.shape)
+        host.copy_(src, non_blocking=True)
+        return host
+
+
 class StepHandle:
     """A launched step. On a GPU its sampled ids (and log-probabilities or logits, if any row
     asked) are copied to pinned host memory without blocking; `wait()` blocks until they are
     there. The handle keeps the step's inputs alive."""
 
-    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None, batch: Batch,
+    def __init__(self, tokens: torch.Tensor, host: _HostBuffers | None, batch: Batch,
                  logprobs: LogprobReport | None = None,
                  logits: LogitsReport | None = None) -> None:
         self.batch = batch
         self._lp_rows = logprobs.batch_rows if logprobs is not None else None
         self._logits = logits
-        extras = ([logprobs.token, logprobs.top_ids.to(torch.int32), logprobs.top_logprobs]
-                  if logprobs is not None else [])
+        extras = [logprobs.table] if logprobs is not None else []
         if logits is not None:
             extras += [logits.logits, logits.context_logits]
         if host is None:  # CPU: the step already ran
             self._tokens, self._event = tokens.to(torch.int32).numpy(), None
             self._extras = [t.numpy() for t in extras]
             return
-        host = host[: tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        self._tokens = host
+        self._tokens = host.take(host.tokens, tokens)
         self._extras = []
-        for t in extras:
-            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            pinned.copy_(t, non_blocking=True)
+        for i, t in enumerate(extras):  # the log-probabilities' table into its own buffer
+            pinned = (host.take(host.logprobs, t) if i == 0 and logprobs is not None
+                      else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                          t, non_blocking=True))
             self._extras.append(pinned)
         self._event = torch.cuda.Event()
         self._event.record()
@@ -100,14 +121,14 @@ class StepHandle:
     def wait(self) -> StepReply:
         if self._event is not None:
             self._event.synchronize()
+            # Copies: the host buffers serve the step after next.
             self._tokens, self._event = self._tokens.numpy().copy(), None
-            self._extras = [t.numpy() for t in self._extras]
+            self._extras = [t.numpy().copy() for t in self._extras]
         reply = StepReply(self._tokens)
         extras = list(self._extras)
         if self._lp_rows is not None:
             reply.lp_rows = self._lp_rows.astype(np.int32)
-            reply.lp_token, reply.top_ids, reply.top_logprobs = extras[:3]
-            extras = extras[3:]
+            reply.logprobs = extras.pop(0)
         if self._logits is not None:
             reply.logit_rows = self._logits.logit_rows.astype(np.int32)
             reply.context_rows = self._logits.context_rows.astype(np.int32)
@@ -197,9 +218,8 @@ class Engine:
         self.row_stop_ids: dict[int, torch.Tensor] = {}
         self.num_launched = 0
         if self.device.type == "cuda":
-            self._host_tokens = [torch.empty(num_rows * self.config.samples_per_row,
-                                             dtype=torch.int32, pin_memory=True)
-                                 for _ in range(2)]
+            self._host_buffers = [_HostBuffers.allocate(num_rows * self.config.samples_per_row)
+                                  for _ in range(2)]
 
     def _free_memory(self) -> int:
         if self.device.type != "cuda":
@@ -268,11 +288,14 @@ class Engine:
                            controlled=bool(self.controls.active[rows].any()))  # one check
         if self.reports and (step.controlled or batch.token_logits is not None):
             step.logits_report = self._logits_report(logits, rows, msg, batch)
+        early = np.nonzero(self.row_min_len[rows] > step.seq_lens)[0]
         if step.controlled:
             if self.reports:
-                step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
+                edited = (self.controls.edits(rows) or len(msg.guide_rows) > 0
+                          or len(early) > 0)
+                step.raw_logprobs = self.controls.raw_logprobs(logits, rows, edited)
             self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
-        self._mask_early_stops(logits, rows, step.seq_lens)
+        self._mask_early_stops(logits, rows, early)
         return step
 
     def attach_masks(self, buffer: MaskBuffer) -> None:
@@ -310,8 +333,7 @@ class Engine:
                   if step.raw_logprobs is not None else None)
         host = None
         if self.device.type == "cuda":
-            # Two pinned buffers: step N+1 is launched before step N's ids are read.
-            host = self._host_tokens[self.num_launched % 2]
+            host = self._host_buffers[self.num_launched % 2]
         self.num_launched += 1
         handle = StepHandle(next_tokens, host, batch, report, step.logits_report)
         if self.timeline is not None:
@@ -364,9 +386,9 @@ class Engine:
             self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
-                          seq_lens: list[int]) -> None:
-        """Rows still below their min_tokens cannot sample a stop id (rare: a Python loop)."""
-        early = np.nonzero(self.row_min_len[rows] > np.asarray(seq_lens))[0]
+                          early: np.ndarray) -> None:
+        """Rows still below their min_tokens (batch indices `early`) cannot sample a stop id
+        (rare: a Python loop)."""
         for i in early.tolist():
             logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 

@@ -180,18 +180,46 @@ _ALWAYS_SENT = {"rows", "page_rows", "page_counts", "new_pages"}
 _ADMIT_PREFIX = "admit_"
 
 
+@dataclass(frozen=True)
+class LogprobColumns:
+    """The columns of a step's log-probability table, one float32 row per sample that asked
+    (one table, so one device-to-host copy a step): the sampled token's log-probability, the
+    `top` most likely tokens' log-probabilities (descending), then their ids, stored as int32
+    bit patterns. The engine fills it on the device; `StepReply.logprobs_of` reads it."""
+
+    top: int
+
+    @classmethod
+    def of_width(cls, width: int) -> LogprobColumns:
+        return cls((width - 1) // 2)
+
+    @property
+    def width(self) -> int:
+        return 1 + 2 * self.top
+
+    @property
+    def token(self) -> int:
+        return 0
+
+    @property
+    def top_logprobs(self) -> slice:
+        return slice(1, 1 + self.top)
+
+    @property
+    def top_ids(self) -> slice:
+        return slice(1 + self.top, 1 + 2 * self.top)
+
+
 @dataclass
 class StepReply:
     """What rank 0 answers a step with: the sampled token per sample (batch order; see
     `StepMessage`), and for the samples that asked for log-probabilities (`lp_rows`: their
-    indices) the sampled token's log-probability and the `top` most likely tokens with theirs
-    (row-major)."""
+    indices) one row each of `logprobs` (`LogprobColumns`: the sampled token's
+    log-probability, then the `top` most likely tokens' and their ids)."""
 
     tokens: np.ndarray  # int32 [bs]
     lp_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    lp_token: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    top_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # row-major
     # Raw logits (float32, row-major [*, vocabulary]): of the sampled token for the rows that
     # return generation logits (`logit_rows`, batch indices), and of every token the step
     # computed for the rows that return prompt logits (`context_rows`, `context_counts`).
@@ -201,19 +229,11 @@ class StepReply:
     context_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     context_logits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
-    @property
-    def top(self) -> int:
-        """Alternatives per row in `top_ids` (the most any row of the step asked for)."""
-        return len(self.top_ids) // len(self.lp_rows) if len(self.lp_rows) else 0
-
     def to_bytes(self) -> bytes:
         arrays = {"tokens": np.asarray(self.tokens, dtype=np.int32)}
         if len(self.lp_rows):
             arrays.update(lp_rows=np.asarray(self.lp_rows, dtype=np.int32),
-                          lp_token=np.asarray(self.lp_token, dtype=np.float32),
-                          top_ids=np.asarray(self.top_ids, dtype=np.int32).reshape(-1),
-                          top_logprobs=np.asarray(self.top_logprobs,
-                                                  dtype=np.float32).reshape(-1))
+                          logprobs=np.asarray(self.logprobs, dtype=np.float32).reshape(-1))
         if len(self.logit_rows):
             arrays.update(logit_rows=np.asarray(self.logit_rows, dtype=np.int32),
                           logits=np.asarray(self.logits, dtype=np.float32).reshape(-1))
@@ -246,8 +266,9 @@ class StepReply:
 
     def logprobs_of(self) -> dict[int, tuple[float, list[int], list[float]]]:
         """batch index -> (token log-probability, top ids, top log-probabilities)."""
-        top = self.top
-        ids = self.top_ids.reshape(-1, top).tolist() if top else [[]] * len(self.lp_rows)
-        vals = self.top_logprobs.reshape(-1, top).tolist() if top else [[]] * len(self.lp_rows)
+        table = np.asarray(self.logprobs, dtype=np.float32).reshape(len(self.lp_rows), -1)
+        cols = LogprobColumns.of_width(table.shape[1])
+        ids = table[:, cols.top_ids].view(np.int32).tolist()
+        vals = table[:, cols.top_logprobs].tolist()
         return {int(r): (float(t), i, v)
-                for r, t, i, v in zip(self.lp_rows, self.lp_token, ids, vals)}
+                for r, t, i, v in zip(self.lp_rows, table[:, cols.token], ids, vals)}
