@@ -243,6 +243,24 @@ def test_logprobs_equal_hf_log_softmax(engine: LLM, hf: torch.nn.Module) -> None
             check_logprobs(out, hf_log_softmax(hf, prompt, out.token_ids), p.logprobs)
 
 
+@pytest.mark.parametrize("edits", ["masks", "bias", "penalty"])
+def test_logprobs_of_every_row_equal_hf(engine: LLM, hf: torch.nn.Module, edits: str) -> None:
+    """Every row of the batch asks: the sampled tokens' log-probabilities are read from the
+    step's logits after sampling, which must then be a copy of the raw ones when a control
+    changes a logit's value in place (a bias, a penalty), and need not be when controls only
+    mask tokens that cannot be sampled (bans, min_tokens)."""
+    prompts = mixed_prompts(3, seed=5)
+    extra = {"masks": {"min_tokens": MAX_TOKENS, "stop_token_ids": [3, 4],
+                       "bad_token_ids": [[9]]},
+             "bias": {"logit_bias": {7: 6.0}},
+             "penalty": {"repetition_penalty": 0.5}}[edits]
+    ps = [params(logprobs=2), params(logprobs=0, temperature=0.9, seed=8),
+          params(logprobs=4, **extra)]
+    outs = engine.generate(prompts, ps)
+    for prompt, p, out in zip(prompts, ps, outs):
+        check_logprobs(out, hf_log_softmax(hf, prompt, out.token_ids), p.logprobs)
+
+
 def test_n_samples_equal_single_requests_with_derived_seeds(engine: LLM) -> None:
     prompts = mixed_prompts(2, seed=4)
     ps = [params(n=4, temperature=0.9, seed=123, presence_penalty=0.5, logprobs=2,

@@ -220,16 +220,17 @@ class LogitControls:
 
     # ----- a step ------------------------------------------------------------------------
 
-    def edits(self, rows: np.ndarray) -> bool:
-        """Some row of the batch has its logits edited in place by `apply`."""
-        return bool((self.penalized[rows] | self.biased[rows] | self.banned[rows]
-                     | self.min_p_rows[rows]).any())
+    def changes_values(self, rows: np.ndarray) -> bool:
+        """`apply` changes some logit of the batch to a value other than -inf (penalties, a
+        bias). Masks (bans, min_p, grammars, min_tokens) only set tokens that then cannot be
+        sampled to -inf: the sampled tokens' logits stay raw."""
+        return bool((self.penalized[rows] | self.biased[rows]).any())
 
     def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
-                     edited: bool) -> RawLogprobs | None:
+                     changed: bool) -> RawLogprobs | None:
         """What the rows reporting log-probabilities need of the raw logits, taken before any
-        control changes them (`edited`: something will edit `logits` in place before the
-        sampled tokens' log-probabilities are read); None if no row asks."""
+        control changes them (`changed`: `changes_values`, so the sampled tokens' raw logits
+        must be copied now); None if no row asks."""
         wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
         if len(wanted) == 0:
             return None
@@ -245,9 +246,9 @@ class LogitControls:
         from kernels.logprobs import logprob_stats
 
         lse, _, _ = logprob_stats(sel, cols.top, out=(top_lp, top_ids))
-        # The sampled tokens' raw logits are read after sampling: a copy if anything edits
-        # `logits` first (the selection of some rows is one already).
-        raw = sel.clone() if edited and sel is logits else sel
+        # The sampled tokens' raw logits are read after sampling: a copy if a control
+        # changes `logits` first (the selection of some rows is one already).
+        raw = sel.clone() if changed and sel is logits else sel
         return RawLogprobs(wanted, raw, lse, table)
 
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:

@@ -288,14 +288,12 @@ class Engine:
                            controlled=bool(self.controls.active[rows].any()))  # one check
         if self.reports and (step.controlled or batch.token_logits is not None):
             step.logits_report = self._logits_report(logits, rows, msg, batch)
-        early = np.nonzero(self.row_min_len[rows] > step.seq_lens)[0]
         if step.controlled:
             if self.reports:
-                edited = (self.controls.edits(rows) or len(msg.guide_rows) > 0
-                          or len(early) > 0)
-                step.raw_logprobs = self.controls.raw_logprobs(logits, rows, edited)
+                step.raw_logprobs = self.controls.raw_logprobs(
+                    logits, rows, self.controls.changes_values(rows))
             self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
-        self._mask_early_stops(logits, rows, early)
+        self._mask_early_stops(logits, rows, step.seq_lens)
         return step
 
     def attach_masks(self, buffer: MaskBuffer) -> None:
@@ -386,9 +384,9 @@ class Engine:
             self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
-                          early: np.ndarray) -> None:
-        """Rows still below their min_tokens (batch indices `early`) cannot sample a stop id
-        (rare: a Python loop)."""
+                          seq_lens: np.ndarray) -> None:
+        """Rows still below their min_tokens cannot sample a stop id (rare: a Python loop)."""
+        early = np.nonzero(self.row_min_len[rows] > seq_lens)[0]
         for i in early.tolist():
             logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 
