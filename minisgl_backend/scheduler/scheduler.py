@@ -396,23 +396,18 @@ class Scheduler:
             for req in self._crossing():
                 self._restart_long(req)
         sent = self._send_next_step()
-        # The masks of `sent` follow the tokens of the step in flight, and the engine waits
-        # for them: then only the grammars go first, and the outputs after the masks.
-        masks_wait = (self.overlap and self.in_flight is not None and sent is not None
-                      and sent.masks_follow
-                      and not any(req.drafts for req in self.in_flight.batch))
-        if not masks_wait:
-            self._flush_outputs()  # the step before's outputs, now that the engine has work
+        self._flush_outputs()  # the step before's outputs, now that the engine has work
         if not self.overlap:
             self._read_tokens(sent)
             self._flush_if_idle()
             return
         if self.in_flight is not None:
-            if masks_wait:
+            if sent is not None and sent.masks_follow and not any(
+                    req.drafts for req in self.in_flight.batch):
+                # The masks wait on the engine: only the grammars follow the tokens first.
                 reply = self.engine.receive_step(self.config.step_timeout)
                 self._advance_guides(self.in_flight, reply)
                 self._send_masks(sent)
-                self._flush_outputs()
                 self._read_tokens(self.in_flight, reply)
             else:
                 self._read_tokens(self.in_flight)
