@@ -257,7 +257,7 @@ class LogitControls:
         sel_tokens = tokens if len(wanted) == len(rows) else tokens[
             self._upload("logprob rows", rows, lambda: wanted)]
         picked = raw.values.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
-        column = raw.table[:, LogprobColumns(0).token]
+        column = raw.table[:, LogprobColumns.token]
         if raw.lse is not None:
             torch.sub(picked, raw.lse, out=column)
         else:

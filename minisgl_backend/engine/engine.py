@@ -101,39 +101,39 @@ class StepHandle:
         self.batch = batch
         self._lp_rows = logprobs.batch_rows if logprobs is not None else None
         self._logits = logits
-        extras = [logprobs.table] if logprobs is not None else []
-        if logits is not None:
-            extras += [logits.logits, logits.context_logits]
+        table = logprobs.table if logprobs is not None else None
+        logit_parts = [logits.logits, logits.context_logits] if logits is not None else []
+        self._event: torch.cuda.Event | None = None
         if host is None:  # CPU: the step already ran
-            self._tokens, self._event = tokens.to(torch.int32).numpy(), None
-            self._extras = [t.numpy() for t in extras]
+            self._tokens = tokens.to(torch.int32).numpy()
+            self._table = table.numpy() if table is not None else None
+            self._logit_parts = [t.numpy() for t in logit_parts]
             return
         self._tokens = host.take(host.tokens, tokens)
-        self._extras = []
-        for i, t in enumerate(extras):  # the log-probabilities' table into its own buffer
-            pinned = (host.take(host.logprobs, t) if i == 0 and logprobs is not None
-                      else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                          t, non_blocking=True))
-            self._extras.append(pinned)
+        self._table = host.take(host.logprobs, table) if table is not None else None
+        self._logit_parts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+            t, non_blocking=True) for t in logit_parts]
         self._event = torch.cuda.Event()
         self._event.record()
 
     def wait(self) -> StepReply:
         if self._event is not None:
             self._event.synchronize()
-            # Copies: the host buffers serve the step after next.
-            self._tokens, self._event = self._tokens.numpy().copy(), None
-            self._extras = [t.numpy().copy() for t in self._extras]
+            self._event = None
+            # Copies of what lies in the engine's host buffers: they serve the step after next.
+            self._tokens = self._tokens.numpy().copy()
+            if self._table is not None:
+                self._table = self._table.numpy().copy()
+            self._logit_parts = [t.numpy() for t in self._logit_parts]
         reply = StepReply(self._tokens)
-        extras = list(self._extras)
         if self._lp_rows is not None:
             reply.lp_rows = self._lp_rows.astype(np.int32)
-            reply.logprobs = extras.pop(0)
+            reply.logprobs = self._table
         if self._logits is not None:
             reply.logit_rows = self._logits.logit_rows.astype(np.int32)
             reply.context_rows = self._logits.context_rows.astype(np.int32)
             reply.context_counts = self._logits.context_counts.astype(np.int32)
-            reply.logits, reply.context_logits = extras
+            reply.logits, reply.context_logits = self._logit_parts
         return reply
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import numpy as np
 
@@ -188,6 +189,7 @@ class LogprobColumns:
     bit patterns. The engine fills it on the device; `StepReply.logprobs_of` reads it."""
 
     top: int
+    token: ClassVar[int] = 0  # the sampled token's column
 
     @classmethod
     def of_width(cls, width: int) -> LogprobColumns:
@@ -196,10 +198,6 @@ class LogprobColumns:
     @property
     def width(self) -> int:
         return 1 + 2 * self.top
-
-    @property
-    def token(self) -> int:
-        return 0
 
     @property
     def top_logprobs(self) -> slice:
