@@ -98,5 +98,17 @@ ARGS=(profile -m ensemble --endpoint-type kserve --backend tensorrtllm --streami
 ARGS+=("${EXTRA[@]}")
 
 echo "== genai-perf ${ARGS[*]}"
-# Offline: the tokenizer is a local folder; COLUMNS: genai-perf's table is as wide as the terminal.
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS="${COLUMNS:-160}" "$GENAI_PERF" "${ARGS[@]}"
+# perf_analyzer has (rarely, on a loaded host) exited 0 with its profile export left empty, which
+# genai-perf then fails to parse: that failure alone is profiled once more.
+for attempt in 1 2; do
+  status=0
+  # Offline: the tokenizer is a local folder; COLUMNS: genai-perf's table is as wide as the
+  # terminal.
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS="${COLUMNS:-160}" "$GENAI_PERF" "${ARGS[@]}" \
+    2>&1 | tee "$WORK/genai-perf.log" || status=$?
+  if [ "$status" = 0 ] || [ "$attempt" = 2 ] \
+      || ! grep -q "zero-length, empty document" "$WORK/genai-perf.log"; then
+    exit "$status"
+  fi
+  echo "== perf_analyzer left its profile export empty; profiling again"
+done
