@@ -2,11 +2,15 @@
 most likely tokens, without a [rows, vocab] float32 log-softmax or torch.topk's radix passes
 (about 0.17 ms of torch.topk alone per step at 64 rows of Qwen3's vocabulary).
 
+Each logit and its id are packed into one int64 key (`_order_key`) whose integer order is "larger
+logit first, then lower id", so one max reduction takes the next most likely token (two, a
+value's and an id's, without the packing):
+
 1. grid (rows, chunks): per chunk of the vocabulary, its largest logit, the sum of
-   exp(logit - that max), and its `K` largest logits with their ids (K rounds of "take the
-   largest, lowest id first, and drop it");
-2. grid (rows,): the row's logsumexp from the chunk sums, and its `top` largest logits among
-   the chunks' candidates, in the same order.
+   exp(logit - that max), and the keys of its `top` largest logits (`top` rounds of "take the
+   largest key, and drop it");
+2. grid (rows,): the row's logsumexp from the chunk sums, and its `top` largest keys among the
+   chunks' candidates, in the same order.
 
 A token's log-probability is then its logit minus the row's logsumexp, as
 torch.log_softmax(dtype=float32) computes it (the sums may round differently).
@@ -20,48 +24,68 @@ import triton.language as tl
 
 from kernels.sampling import row_chunk_mass, row_chunk_max
 
+NO_KEY = tl.constexpr(-(2**63))  # below every key: a dropped or padding candidate
+
 
 @triton.jit
-def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, top_val_ptr, top_id_ptr, vocab,
-                      num_chunks, CHUNK: tl.constexpr, K: tl.constexpr):
+def _order_key(x, ids):
+    """int64 keys whose signed order is (logit `x` ascending, then id descending): the float's
+    bits, turned so that their signed integer order is the float order, above 2**31 - 1 - id."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (bits.to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
+
+
+@triton.jit
+def _key_logit(key):
+    bits = (key >> 32).to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_id(key):
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, cand_ptr, vocab, num_chunks, top,
+                      CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
-    chunk_max = tl.max(x, 0)
+    key = _order_key(x, cols)
+    best = tl.max(key, 0)
+    chunk_max = _key_logit(best)
     mass = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 0)
     out = row * num_chunks + chunk
     tl.store(max_ptr + out, chunk_max)
     tl.store(sum_ptr + out, mass)
-    for j in tl.static_range(K):
-        best = tl.max(x, 0)
-        best_id = tl.min(tl.where(x == best, cols, 2147483647), 0)
-        tl.store(top_val_ptr + out * K + j, best)
-        tl.store(top_id_ptr + out * K + j, best_id)
-        x = tl.where(cols == best_id, float("-inf"), x)
+    for j in range(top):
+        if j > 0:
+            key = tl.where(key == best, NO_KEY, key)
+            best = tl.max(key, 0)
+        tl.store(cand_ptr + out * top + j, best)
 
 
 @triton.jit
-def _row_top_kernel(max_ptr, sum_ptr, top_val_ptr, top_id_ptr, lse_ptr, out_val_ptr, out_id_ptr,
-                    out_stride, num_chunks, top, K: tl.constexpr, CHUNKS_P2: tl.constexpr):
+def _row_top_kernel(max_ptr, sum_ptr, cand_ptr, lse_ptr, out_val_ptr, out_id_ptr, out_stride,
+                    num_chunks, top, CHUNKS_P2: tl.constexpr, CANDS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
     mass = row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max)
     lse = row_max + tl.log(tl.sum(mass, 0))
     tl.store(lse_ptr + row, lse)
-    # The chunks' candidates: CHUNKS_P2 * K of them, row by row of the [chunks, K] tables.
-    slots = tl.arange(0, CHUNKS_P2 * K)
-    ok = slots < num_chunks * K
-    cand = tl.load(top_val_ptr + row * num_chunks * K + slots, mask=ok, other=float("-inf"))
-    ids = tl.load(top_id_ptr + row * num_chunks * K + slots, mask=ok, other=2147483647)
-    for j in tl.static_range(K):
+    # The chunks' candidates: the row's [chunks, top] keys, padded to CANDS_P2.
+    slots = tl.arange(0, CANDS_P2)
+    cand = tl.load(cand_ptr + row * num_chunks * top + slots, mask=slots < num_chunks * top,
+                   other=NO_KEY)
+    for j in range(top):
         best = tl.max(cand, 0)
-        best_id = tl.min(tl.where(cand == best, ids, 2147483647), 0)
-        if j < top:
-            tl.store(out_val_ptr + row * out_stride + j, best - lse)
-            tl.store(out_id_ptr + row * out_stride + j, best_id)
-        cand = tl.where(ids == best_id, float("-inf"), cand)
+        tl.store(out_val_ptr + row * out_stride + j, _key_logit(best) - lse)
+        tl.store(out_id_ptr + row * out_stride + j, _key_id(best))
+        cand = tl.where(cand == best, NO_KEY, cand)
 
 
 def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
@@ -87,17 +111,15 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
         assert top_lp.stride() == top_ids.stride() and (top <= 1 or top_lp.stride(1) == 1)
     if rows == 0:
         return lse, top_lp, top_ids
-    k = triton.next_power_of_2(max(top, 1))
     num_chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
     chunk_sum = torch.empty_like(chunk_max)
-    cand_val = torch.empty(rows, num_chunks, k, dtype=torch.float32, device=device)
-    cand_id = torch.empty(rows, num_chunks, k, dtype=torch.int32, device=device)
+    cand = torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device)
     _chunk_top_kernel[(rows, num_chunks)](
-        logits, logits.stride(0), chunk_max, chunk_sum, cand_val, cand_id, vocab, num_chunks,
-        CHUNK=chunk, K=k, num_warps=4)
+        logits, logits.stride(0), chunk_max, chunk_sum, cand, vocab, num_chunks, top,
+        CHUNK=chunk, num_warps=4)
     _row_top_kernel[(rows,)](
-        chunk_max, chunk_sum, cand_val, cand_id, lse, top_lp, top_ids, top_lp.stride(0),
-        num_chunks, top, K=k, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
-        num_warps=4)
+        chunk_max, chunk_sum, cand, lse, top_lp, top_ids, top_lp.stride(0), num_chunks, top,
+        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
+        CANDS_P2=max(2, triton.next_power_of_2(num_chunks * max(top, 1))), num_warps=4)
     return lse, top_lp, top_ids

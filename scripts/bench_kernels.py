@@ -8,7 +8,8 @@
 2. SiLU-and-mul: the Triton kernel next to FlashInfer's, per token count.
 3. Sampling (temperature 0.6, no top-k / top-p) from the model's bf16 logits: the Triton
    kernels next to the torch path (which first makes a float32 copy), per vocabulary and batch
-   size.
+   size; log-probability statistics (the logsumexp and the 5 or 20 most likely tokens,
+   `kernels/logprobs.py`) next to torch's log_softmax and topk, the same way.
 4. The attention prologue (q/k norm for Qwen3, RoPE, KV store) per token count, with 1, 2, 4
    and 8 heads per program.
 5. A decoder layer's four projections at batch sizes up to 16, as the layer runs them (FlashInfer
@@ -46,9 +47,10 @@ ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "G
                     "of copy bw")
 SILU_HEADER = ("width", "tokens", "kernel", "us/call")
 SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
+LOGPROBS_HEADER = ("vocab", "batch", "top", "kernel", "us/call")
 PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
 GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s", "of copy bw")
-PARTS = ("attention", "silu", "sampling", "prologue", "gemv")
+PARTS = ("attention", "silu", "sampling", "logprobs", "prologue", "gemv")
 L2_DEFEAT_BYTES = 200 * 2**20
 
 
@@ -263,6 +265,22 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
+def bench_logprobs(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    from kernels.logprobs import logprob_stats
+
+    vocabs = sorted({SHAPES[s]["vocab_size"] for s in args.shapes})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[list[str]] = []
+    for vocab, bs, top in itertools.product(vocabs, args.batch_sizes, (5, 20)):
+        logits = (torch.randn(bs, vocab, device=device) * 4).to(dtype)
+        kernels: dict[str, Callable[[], object]] = {
+            "triton": lambda: logprob_stats(logits, top),
+            "torch": lambda: torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(top)}
+        rows += time_each(kernels, args, device, lambda name, seconds: [
+            str(vocab), str(bs), str(top), name, f"{seconds * 1e6:.1f}"])
+    return rows
+
+
 # ----- attention prologue -----------------------------------------------------------------------
 
 
@@ -400,6 +418,9 @@ def main(argv: list[str] | None = None) -> None:
     if "sampling" in args.parts:
         tables.append(("Sampling (temperature 0.6, model-dtype logits)", SAMPLING_HEADER,
                        bench_sampling(args, device)))
+    if "logprobs" in args.parts:
+        tables.append(("Log-probability statistics (model-dtype logits)", LOGPROBS_HEADER,
+                       bench_logprobs(args, device)))
     if "prologue" in args.parts:
         tables.append(("Attention prologue (q/k norm for Qwen3, RoPE, KV store)",
                        PROLOGUE_HEADER, bench_prologue(args, device)))

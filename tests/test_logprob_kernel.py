@@ -23,21 +23,22 @@ VOCAB, CHUNK = 1300, 256
 def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtype,
                                                   top: int) -> None:
     gen = torch.Generator().manual_seed(top)
-    logits = (torch.randn(6, VOCAB, generator=gen) * 4).to(dtype)
+    logits = (torch.randn(7, VOCAB, generator=gen) * 4).to(dtype)
     logits[2, 1299] = 30.0  # the most likely token in the partial last chunk
     logits[3, :] = 0.5  # a flat row: every token ties, the lowest ids come first
     logits[4, 700:] = float("-inf")  # masked tokens have no mass
+    logits[6, 3:] = float("-inf")  # fewer allowed tokens than `top`: then masked ones, once each
     lse, top_lp, top_ids = logprob_stats(logits.to(device), top, chunk=CHUNK)
     expected = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     assert torch.allclose(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), atol=1e-5)
     want_lp, want_ids = expected.topk(top, dim=-1)
-    assert top_ids.shape == (6, top) and top_ids.dtype == torch.int32
+    assert top_ids.shape == (7, top) and top_ids.dtype == torch.int32
     assert top_lp.dtype == torch.float32
     top_lp, top_ids = top_lp.cpu(), top_ids.cpu().long()
     assert torch.allclose(top_lp, want_lp, atol=1e-5)
     # Each id's own log-probability; equal ones (bfloat16 has many) lowest id first.
     assert torch.allclose(expected.gather(1, top_ids), top_lp, atol=1e-5)
-    for row in range(6):
+    for row in range(7):
         ids, values = top_ids[row].tolist(), top_lp[row].tolist()
         assert len(set(ids)) == top
         assert all(a < b for a, b, u, v in zip(ids, ids[1:], values, values[1:]) if u == v)
@@ -45,8 +46,10 @@ def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtyp
         for row in (0, 1, 2, 4, 5):
             assert top_ids[row].tolist() == want_ids[row].tolist()
     assert top_ids[3].tolist() == list(range(top))
+    assert set(top_ids[6, :3].tolist()) <= {0, 1, 2}
+    assert top_ids[6, 3:].tolist() == list(range(3, top))
     # A token's log-probability is its logit minus the logsumexp.
-    token = torch.tensor([5, 9, 1299, 0, 699, 1000])
+    token = torch.tensor([5, 9, 1299, 0, 699, 1000, 2])
     picked = logits.float().gather(1, token.unsqueeze(1)).squeeze(1) - lse.cpu()
     assert torch.allclose(picked, expected.gather(1, token.unsqueeze(1)).squeeze(1), atol=1e-5)
 
