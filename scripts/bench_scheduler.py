@@ -11,22 +11,40 @@ message decoding, a few microseconds a step).
     python scripts/bench_scheduler.py                          # 256 requests, lengths 100-1024
     python scripts/bench_scheduler.py --num-requests 8 --min-len 4 --max-len 16   # smoke test
     MINISGL_PROFILE_DIR=/tmp/prof python scripts/bench_scheduler.py   # + the thread's cProfile
+
+`--guided-batch B` measures a guided decode step's host work instead: B requests of Llama 3's
+tokenizer (128,256 ids), `--max-tokens` each, unguided and under bench_structured_output's JSON
+schema, with text detokenized as the `LLM` does; a guided row's token is a random one its mask
+allows (the stand-in's time for that is taken out). With overlap, a guided step's turnaround
+(the step's tokens in, its grammars advanced, the next masks filled) lies between a step's
+sampling and the next one's: past a decode step's device time, the GPU waits.
+
+    python scripts/bench_scheduler.py --guided-batch 64 --max-tokens 256
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 from minisgl_backend.benchmark.cli import markdown_table
+from minisgl_backend.benchmark.tokenizer import committed_tokenizer
 from minisgl_backend.benchmark.workloads import anchor_workload
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.testing.instant_engine import InstantEngine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_structured_output as structured  # noqa: E402 - its JSON schema and parameters
+
 HEADER = ("requests", "output tokens", "steps", "page", "overlap", "total s", "us/step",
           "us/output token")
+GUIDED_HEADER = ("batch", "config", "overlap", "steps", "us/step", "vs unguided")
+GUIDED_VOCAB = 128256  # Llama 3's tokenizer, exactly
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
+    parser.add_argument("--guided-batch", type=int, default=None,
+                        help="time this many JSON-schema requests against unguided ones")
+    parser.add_argument("--max-tokens", type=int, default=256, help="with --guided-batch")
     return parser.parse_args(argv)
 
 
@@ -83,8 +104,77 @@ def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[f
     return seconds, tokens, engine.steps_received
 
 
+def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: bool
+               ) -> tuple[float, int]:
+    """(scheduler seconds, steps) of `--guided-batch` requests decoding `--max-tokens` each,
+    under the JSON schema or not; the stand-in's time picking allowed tokens is taken out."""
+    batch, max_tokens = args.guided_batch, args.max_tokens
+    prompt = tokenizer.encode("List the people you know, as JSON.")
+    params = structured.params("json_schema" if guided else "unguided", max_tokens, max_tokens)
+    engine = InstantEngine(num_pages=batch * (len(prompt) + max_tokens + 1),
+                           max_seq_len=len(prompt) + max_tokens + 1, vocab_size=GUIDED_VOCAB)
+    config = SchedulerConfig(
+        engine=EngineConfig(model_dir="", page_size=1, overlap=overlap,
+                            max_running_requests=batch),
+        jump_forward=False)
+    scheduler = Scheduler(config, tokenizer=tokenizer,
+                          eos_ids=frozenset({tokenizer.eos_token_id}), vocab_size=GUIDED_VOCAB,
+                          engine=engine)  # type: ignore[arg-type]
+    # Compiled once before timing, as a server's cache would hold it.
+    checked = [scheduler.check_request(prompt, params) for _ in range(batch)]
+    remaining, done, tokens, errors = batch, threading.Event(), 0, []
+
+    def on_output(out: RequestOutput) -> None:  # on the scheduler thread
+        nonlocal remaining, tokens
+        tokens += len(out.token_ids)
+        if out.error is not None:
+            errors.append(out.error)
+        if out.finished:
+            remaining -= 1
+            if remaining == 0:
+                done.set()
+
+    try:
+        start = time.perf_counter()
+        for request in checked:
+            scheduler.submit(prompt, params, on_output, request)
+        if not done.wait(timeout=600):
+            raise RuntimeError(f"{remaining} requests did not finish")
+        seconds = time.perf_counter() - start
+    finally:
+        scheduler.shutdown()
+    if errors or tokens != batch * max_tokens:
+        raise RuntimeError(f"{tokens} tokens of {batch * max_tokens}; errors: {errors[:3]}")
+    return seconds - engine.pick_seconds, engine.steps_received
+
+
+def main_guided(args: argparse.Namespace) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=committed_tokenizer("llama-3"),
+                                        eos_token="<|end_of_text|>")
+    rows = []
+    for overlap in (True, False):
+        base = None
+        for guided in (False, True):
+            seconds, steps = min(run_guided(args, tokenizer, guided, overlap)
+                                 for _ in range(args.repeats))
+            per_step = seconds / steps
+            base = base or per_step
+            rows.append([str(args.guided_batch), "json_schema" if guided else "unguided",
+                         "on" if overlap else "off", str(steps), f"{per_step * 1e6:.1f}",
+                         f"{per_step / base:.2f}x"])
+            print(" | ".join(rows[-1]), flush=True)
+    print(f"\nscheduler host time per step with an instant engine ({args.guided_batch} "
+          f"requests, {args.max_tokens} tokens each, best of {args.repeats})\n")
+    print(markdown_table(GUIDED_HEADER, rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.guided_batch is not None:
+        main_guided(args)
+        return
     rows = []
     for page_size in args.page_sizes:
         for overlap in (True, False):

@@ -348,6 +348,22 @@ def test_bench_scheduler_runs_the_workload_through_the_real_scheduler() -> None:
     assert all(number(cell) > 0 for row in rows for cell in row[5:])
 
 
+def test_bench_scheduler_times_guided_steps_against_unguided() -> None:
+    """--guided-batch: every token of the JSON-schema requests is one their grammar allowed (a
+    request with one it did not would end in an error, which the script raises), with overlap
+    on and off; the table ends the output."""
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_scheduler.py"), "--guided-batch", "3",
+         "--max-tokens", "24", "--repeats", "1"], capture_output=True, text=True,
+        timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    header, rows = last_table(run.stdout)
+    assert header == ["batch", "config", "overlap", "steps", "us/step", "vs unguided"]
+    assert [(row[1], row[2]) for row in rows] == [
+        ("unguided", "on"), ("json_schema", "on"), ("unguided", "off"), ("json_schema", "off")]
+    assert all(int(row[3]) >= 24 and number(row[4]) > 0 for row in rows)
+
+
 def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_sampling_controls.py"), *COMMON, "--shape",
