@@ -42,6 +42,7 @@ from minisgl_backend.engine import protocol
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar.guide import (
     Guide,
+    allowed_tokens,
     apply_token_masks,
     fill_masks,
     fill_threads,
@@ -69,7 +70,7 @@ def walk(guides: list[Guide], words: int, rng: random.Random, steps: int) -> Non
     for guide in guides:
         for _ in range(rng.randrange(steps + 1)):
             guide.fill(mask, 0)
-            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            allowed = allowed_tokens(mask)
             if guide.finished or not len(allowed):
                 break
             guide.accept(int(rng.choice(allowed)))
@@ -121,8 +122,7 @@ def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: in
     cells.append(timed(lambda: fill_masks(guides, masks, indices), args.steps))
     # One allowed token per row, accepted then rolled back (the state stays).
     one_by_one()
-    tokens = [int(np.flatnonzero(np.unpackbits(m.view(np.uint8), bitorder="little"))[0])
-              for m in masks]
+    tokens = [int(allowed_tokens(m)[0]) for m in masks]
 
     def accept() -> None:
         for guide, token in zip(guides, tokens):

@@ -18,6 +18,11 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def allowed_tokens(mask: np.ndarray) -> np.ndarray:
+    """The token ids one row's mask ([words] int32) allows, ascending."""
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+
+
 class Guide:
     def __init__(self, compiled: Any, stop_ids: set[int]) -> None:
         import xgrammar as xgr

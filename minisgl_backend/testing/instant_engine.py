@@ -15,6 +15,9 @@ from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar import mask_words
 
 
+BYTE_BITS = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
+
+
 @dataclass
 class _Pending:
     samples: int  # tokens the step's reply carries
@@ -77,10 +80,15 @@ class InstantEngine:
         return protocol.StepReply(tokens)
 
     def _allowed_token(self, mask: np.ndarray) -> int:
-        """The lowest token of a random mask word that allows any."""
-        words = np.flatnonzero(mask)
-        word = int(words[self._rng.randrange(len(words))])
+        """A token the mask allows, uniformly at random (as argmax over random logits), from
+        the words' bit counts (no per-token array: it would evict the scheduler's caches)."""
+        counts = np.cumsum(BYTE_BITS[mask.view(np.uint8)].reshape(-1, 4).sum(axis=1))
+        nth = self._rng.randrange(int(counts[-1]))
+        word = int(np.searchsorted(counts, nth, side="right"))
+        nth -= int(counts[word - 1]) if word else 0
         bits = int(mask[word]) & 0xFFFFFFFF
+        for _ in range(nth):
+            bits &= bits - 1  # drop the lowest set bit
         return 32 * word + (bits & -bits).bit_length() - 1
 
     def shutdown(self, timeout: float = 10.0) -> None:
