@@ -14,7 +14,6 @@ from minisgl_backend.engine import protocol
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar import mask_words
 
-
 BYTE_BITS = np.array([bin(b).count("1") for b in range(256)], dtype=np.int32)
 
 
