@@ -234,9 +234,9 @@ def test_overlapped_guided_steps_advance_grammars_before_the_rest_of_the_output(
     from minisgl_backend.scheduler.output import OutputTracker
 
     advanced = []
-    original = OutputTracker.advance_guide
-    monkeypatch.setattr(OutputTracker, "advance_guide",
-                        lambda self, token: advanced.append(token) or original(self, token))
+    original = OutputTracker.advance_guides
+    monkeypatch.setattr(OutputTracker, "advance_guides", staticmethod(
+        lambda trackers, tokens: advanced.extend(tokens) or original(trackers, tokens)))
     with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
              jump_forward=False) as engine:
         outputs = engine.generate(*_mix())

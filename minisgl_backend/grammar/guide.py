@@ -76,6 +76,15 @@ class Guide:
         return bool(self.matcher.is_terminated())
 
 
+def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
+    """`Guide.accept` of `tokens[i]` by `guides[i]` for every i, in one call of xgrammar."""
+    if not guides:
+        return []
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
+
+
 _per_thread = threading.local()  # BatchGrammarMatchers of a scheduler thread
 FILL_THREADS_MAX = 4
 PARALLEL_FILL_ROWS = 128

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import Req
+from minisgl_backend.grammar.guide import accept_tokens
 from minisgl_backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -114,13 +115,19 @@ class OutputTracker:
         self._context_sent = False
         self._guide_took: tuple[int, bool] | None = None  # (token, accepted) ahead of add_token
 
-    def advance_guide(self, token: int) -> None:
-        """Follow `token` with the request's grammar now, ahead of `add_token` (which then does
-        not again): the next step's token mask needs the grammar's new state, and everything
-        else `add_token` does can wait until that mask is sent."""
-        guide = self.req.guide
-        if guide is not None and token not in self.stop_ids:
-            self._guide_took = (token, guide.accept(token))
+    @staticmethod
+    def advance_guides(trackers: list[OutputTracker], tokens: list[int]) -> None:
+        """Follow `tokens[i]` with the grammar of `trackers[i]`'s request now (all in one
+        xgrammar call), ahead of `add_token` (which then does not again): the next step's token
+        masks need the grammars' new states, and everything else `add_token` does can wait
+        until those masks are sent. Stop tokens, and requests without a grammar, are left to
+        `add_token`."""
+        pairs = [(tracker, token) for tracker, token in zip(trackers, tokens)
+                 if tracker.req.guide is not None and token not in tracker.stop_ids]
+        accepted = accept_tokens([tracker.req.guide for tracker, _ in pairs],
+                                 [token for _, token in pairs])
+        for (tracker, token), ok in zip(pairs, accepted):
+            tracker._guide_took = (token, bool(ok))
 
     def _guide_accepts(self, token: int) -> bool:
         took, self._guide_took = self._guide_took, None

@@ -592,10 +592,13 @@ class Scheduler:
         """The grammars of the guided rows of `sent` (a step without drafts: one token a row)
         follow their sampled tokens, as `_process` would."""
         sampled = reply.tokens
+        trackers, tokens = [], []
         for i, (req, counts) in enumerate(zip(sent.batch, sent.counts)):
             tracker = self.trackers.get(req.uid)
             if req.guide is not None and counts and tracker is not None and req.table_idx >= 0:
-                tracker.advance_guide(int(sampled[i]))
+                trackers.append(tracker)
+                tokens.append(int(sampled[i]))
+        OutputTracker.advance_guides(trackers, tokens)
 
     def _process(self, sent: _SentStep, reply: StepReply) -> None:
         logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}
