@@ -35,6 +35,7 @@ from typing import Any
 from minisgl_backend.benchmark.cli import markdown_table
 from minisgl_backend.benchmark.tokenizer import committed_tokenizer
 from minisgl_backend.benchmark.workloads import anchor_workload
+from minisgl_backend.core import SamplingParams
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.grammar import guide
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -69,6 +70,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def drive(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams, Any]]
+          ) -> tuple[float, int, list[str]]:
+    """Submit every (prompt, params, checked or None) request, wait for all to finish, shut the
+    scheduler down: (seconds, output tokens, errors)."""
+    remaining, done, tokens, errors = len(requests), threading.Event(), 0, []
+
+    def on_output(out: RequestOutput) -> None:  # on the scheduler thread
+        nonlocal remaining, tokens
+        tokens += len(out.token_ids)
+        if out.error is not None:
+            errors.append(out.error)
+        if out.finished:
+            remaining -= 1
+            if remaining == 0:
+                done.set()
+
+    try:
+        start = time.perf_counter()
+        for prompt, params, checked in requests:
+            scheduler.submit(prompt, params, on_output, checked)
+        if not done.wait(timeout=600):
+            raise RuntimeError(f"{remaining} requests did not finish")
+        seconds = time.perf_counter() - start
+    finally:
+        scheduler.shutdown()
+    return seconds, tokens, errors
+
+
 def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[float, int, int]:
     """(seconds, output tokens, steps) of one pass of the workload through a fresh scheduler."""
     workload = anchor_workload(args.vocab_size, args.num_requests, args.min_len, args.max_len)
@@ -82,27 +111,8 @@ def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[f
         chunked_prefill_size=args.chunked_prefill_size)
     scheduler = Scheduler(config, tokenizer=None, eos_ids=frozenset(),
                           vocab_size=args.vocab_size, engine=engine)  # type: ignore[arg-type]
-    remaining = len(workload)
-    done = threading.Event()
-    tokens = 0
-
-    def on_output(out: RequestOutput) -> None:  # on the scheduler thread
-        nonlocal remaining, tokens
-        tokens += len(out.token_ids)
-        if out.finished:
-            remaining -= 1
-            if remaining == 0:
-                done.set()
-
-    try:
-        start = time.perf_counter()
-        for prompt, params in zip(workload.prompts, workload.params):
-            scheduler.submit(prompt, params, on_output)
-        if not done.wait(timeout=600):
-            raise RuntimeError(f"{remaining} requests did not finish")
-        seconds = time.perf_counter() - start
-    finally:
-        scheduler.shutdown()
+    seconds, tokens, _ = drive(scheduler, [(prompt, params, None) for prompt, params
+                                           in zip(workload.prompts, workload.params)])
     if tokens != workload.output_tokens:
         raise RuntimeError(f"{tokens} tokens generated, the workload asks for "
                            f"{workload.output_tokens}")
@@ -128,28 +138,8 @@ def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: 
                           eos_ids=frozenset({tokenizer.eos_token_id}), vocab_size=GUIDED_VOCAB,
                           engine=engine)  # type: ignore[arg-type]
     # Compiled once before timing, as a server's cache would hold it.
-    checked = [scheduler.check_request(prompt, params) for _ in range(batch)]
-    remaining, done, tokens, errors = batch, threading.Event(), 0, []
-
-    def on_output(out: RequestOutput) -> None:  # on the scheduler thread
-        nonlocal remaining, tokens
-        tokens += len(out.token_ids)
-        if out.error is not None:
-            errors.append(out.error)
-        if out.finished:
-            remaining -= 1
-            if remaining == 0:
-                done.set()
-
-    try:
-        start = time.perf_counter()
-        for request in checked:
-            scheduler.submit(prompt, params, on_output, request)
-        if not done.wait(timeout=600):
-            raise RuntimeError(f"{remaining} requests did not finish")
-        seconds = time.perf_counter() - start
-    finally:
-        scheduler.shutdown()
+    seconds, tokens, errors = drive(scheduler, [
+        (prompt, params, scheduler.check_request(prompt, params)) for _ in range(batch)])
     if errors or tokens != batch * max_tokens:
         raise RuntimeError(f"{tokens} tokens of {batch * max_tokens}; errors: {errors[:3]}")
     return seconds - engine.pick_seconds, engine.steps_received
