@@ -19,8 +19,9 @@ allows (the stand-in's time for that is taken out). Per decode step: the time of
 that of a run of 1 token each, over the steps between. With overlap, a guided step's turnaround
 (the step's tokens in, its grammars advanced, the next masks filled) lies between a step's
 sampling and the next one's: past a decode step's device time, the GPU waits.
+`--grammar-workers` compares numbers of mask-fill worker processes (`grammar.fill_pool`).
 
-    python scripts/bench_scheduler.py --guided-batch 64 --max-tokens 256
+    python scripts/bench_scheduler.py --guided-batch 64 --max-tokens 256 --grammar-workers 0 4
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from minisgl_backend.benchmark.tokenizer import committed_tokenizer
 from minisgl_backend.benchmark.workloads import anchor_workload
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.grammar import guide
+from minisgl_backend.grammar import fill_pool, guide
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.testing.instant_engine import InstantEngine
 
@@ -46,7 +47,8 @@ import bench_structured_output as structured  # its JSON schema and request para
 
 HEADER = ("requests", "output tokens", "steps", "page", "overlap", "total s", "us/step",
           "us/output token")
-GUIDED_HEADER = ("batch", "config", "overlap", "steps", "us/step", "vs unguided")
+GUIDED_HEADER = ("batch", "config", "fill workers", "overlap", "steps", "us/step",
+                 "vs unguided")
 GUIDED_VOCAB = 128256  # Llama 3's tokenizer, exactly
 
 
@@ -67,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fill-threads", type=int, default=None,
                         help="with --guided-batch: fill the masks on this many threads (at most "
                         "half the usable CPUs; default: guide.fill_threads' choice)")
+    parser.add_argument("--grammar-workers", type=int, nargs="+", default=None,
+                        help="with --guided-batch: time the JSON-schema runs with each of these "
+                        "numbers of mask-fill worker processes (default: 0 and, where it is "
+                        "not 0, the engine's default)")
     return parser.parse_args(argv)
 
 
@@ -120,10 +126,10 @@ def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[f
 
 
 def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: bool,
-               max_tokens: int) -> tuple[float, int]:
+               max_tokens: int, workers: int) -> tuple[float, int]:
     """(scheduler seconds, steps) of `--guided-batch` requests of `max_tokens` each, under the
-    JSON schema (of `--max-tokens` items) or not; the stand-in's time picking allowed tokens
-    is taken out."""
+    JSON schema (of `--max-tokens` items) or not, with `workers` mask-fill processes (up
+    before the clock starts); the stand-in's time picking allowed tokens is taken out."""
     batch = args.guided_batch
     prompt = tokenizer.encode("List the people you know, as JSON.")
     params = structured.params("json_schema" if guided else "unguided", max_tokens,
@@ -133,15 +139,23 @@ def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: 
     config = SchedulerConfig(
         engine=EngineConfig(model_dir="", page_size=1, overlap=overlap,
                             max_running_requests=batch),
-        jump_forward=False)
+        jump_forward=False, grammar_workers=workers)
     scheduler = Scheduler(config, tokenizer=tokenizer,
                           eos_ids=frozenset({tokenizer.eos_token_id}), vocab_size=GUIDED_VOCAB,
                           engine=engine)  # type: ignore[arg-type]
     # Compiled once before timing, as a server's cache would hold it.
-    seconds, tokens, errors = drive(scheduler, [
-        (prompt, params, scheduler.check_request(prompt, params)) for _ in range(batch)])
+    checked = scheduler.check_request(prompt, params)
+    if guided and scheduler.fill_pool is not None:
+        scheduler.fill_pool.start(checked.grammar.tokenizer_info)
+        if not scheduler.fill_pool.wait_ready(300):
+            raise RuntimeError("the mask-fill workers did not start")
+    seconds, tokens, errors = drive(scheduler, [(prompt, params, checked)] * batch)
     if errors or tokens != batch * max_tokens:
         raise RuntimeError(f"{tokens} tokens of {batch * max_tokens}; errors: {errors[:3]}")
+    pool = scheduler.fill_pool
+    if guided and pool is not None and batch >= pool.min_rows and max_tokens > 1 \
+            and not pool.fills:
+        raise RuntimeError("the mask-fill workers filled no step")
     return seconds - engine.pick_seconds, engine.steps_received
 
 
@@ -154,20 +168,21 @@ def main_guided(args: argparse.Namespace) -> None:
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=committed_tokenizer("llama-3"),
                                         eos_token="<|end_of_text|>")
+    workers = args.grammar_workers or sorted({0, fill_pool.default_workers()})
     rows = []
     for overlap in (True, False):
         base = None
-        for guided in (False, True):
+        for guided, count in [(False, 0)] + [(True, n) for n in workers]:
             # Admission and prefill (a matcher per request) taken out: a 1-token run's time.
             (t_long, n_long), (t_one, n_one) = (
-                min(run_guided(args, tokenizer, guided, overlap, tokens)
+                min(run_guided(args, tokenizer, guided, overlap, tokens, count)
                     for _ in range(args.repeats)) for tokens in (args.max_tokens, 1))
             steps = n_long - n_one
             per_step = max(t_long - t_one, 1e-9) / steps
             base = base or per_step
             rows.append([str(args.guided_batch), "json_schema" if guided else "unguided",
-                         "on" if overlap else "off", str(steps), f"{per_step * 1e6:.1f}",
-                         f"{per_step / base:.2f}x"])
+                         str(count), "on" if overlap else "off", str(steps),
+                         f"{per_step * 1e6:.1f}", f"{per_step / base:.2f}x"])
             print(" | ".join(rows[-1]), flush=True)
     print(f"\nscheduler host time per step with an instant engine ({args.guided_batch} "
           f"requests, {args.max_tokens} tokens each, best of {args.repeats}; mask fills on "

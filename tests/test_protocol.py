@@ -133,7 +133,6 @@ def test_mask_buffer_halves_are_shared_through_the_handed_descriptor() -> None:
     writer = MaskBuffer(slots=3, words=2)
     ours, theirs = multiprocessing.Pipe(duplex=True)
     writer.share(ours, os.getpid())  # what the scheduler does for each rank
-    writer.close_handle()  # the mapping stays
     reader = MaskBuffer(slots=3, words=2, fd=reduction.recv_handle(theirs))  # a rank's
     with pytest.raises(ValueError, match="only the buffer's creator shares it"):
         reader.share(theirs, os.getpid())

@@ -47,11 +47,13 @@ def add_llm_args(parser: argparse.ArgumentParser) -> None:
                        help="decode batches up to this size run fused few-rows GEMVs; 0: off")
     group.add_argument("--mixed-prefill", action="store_true",
                        help="prefill steps also decode one token of every running request")
+    group.add_argument("--grammar-workers", type=int, default=None,
+                       help="processes filling guided token masks (default: the engine's)")
 
 
 _LLM_OPTIONS = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size",
                 "max_total_tokens", "attention_backend", "cuda_graph_max_bs",
-                "fused_gemv_max_bs")
+                "fused_gemv_max_bs", "grammar_workers")
 
 
 def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ step, which took 1.4 ms to send on a CPU host, in the guided step's critical pat
 each rank registers the memory with CUDA (page-locked), so a step's masks are copied to the
 device straight from where the scheduler wrote them, without a host copy (0.2 ms a step at 64
 rows on the H200 host). Nothing is left behind on disk or in /dev/shm: the memory goes with
-the last process that maps it.
+the last process that maps it. The creator keeps its descriptor (closed with the buffer) to
+share it later with the mask-fill workers (`grammar.fill_pool`), which write rows of it too.
 
 The buffer has two halves; a step's masks go in the half of its step number's parity. The
 scheduler writes a step's masks once the step before it has been answered (or before sending
@@ -47,6 +48,8 @@ class MaskBuffer:
             if not owned:
                 os.close(fd)  # the mapping keeps the memory
         self._fd = fd if owned else None
+        if owned:
+            weakref.finalize(self, os.close, fd)
         self._array = np.frombuffer(self._mmap, dtype=np.int32).reshape(shape)
         self.page_locked = False
 
@@ -62,12 +65,6 @@ class MaskBuffer:
         if self._fd is None:
             raise ValueError("only the buffer's creator shares it")
         reduction.send_handle(conn, self._fd, pid)
-
-    def close_handle(self) -> None:
-        """Close the creator's descriptor once every rank has its own (the mapping stays)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     @classmethod
     def receive(cls, conn: Connection, config: EngineConfig, vocab_size: int) -> MaskBuffer:
@@ -94,6 +91,10 @@ class MaskBuffer:
     @property
     def slots(self) -> int:
         return self._array.shape[1]
+
+    @property
+    def words(self) -> int:
+        return self._array.shape[2]
 
     def view(self, half: int, slots: int) -> np.ndarray:
         """The first `slots` rows of half `half` (0 or 1; a step's is its number % 2) as

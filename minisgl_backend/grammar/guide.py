@@ -4,6 +4,7 @@ vocabulary entry: may be sampled) and follows the tokens the request samples."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -24,13 +25,18 @@ def allowed_tokens(mask: np.ndarray) -> np.ndarray:
 
 
 class Guide:
-    def __init__(self, compiled: Any, stop_ids: set[int]) -> None:
-        import xgrammar as xgr
-
-        # Without stop ids (ignore_eos and none given) the grammar ends the request itself.
-        self.matcher = xgr.GrammarMatcher(compiled,
-                                          override_stop_tokens=sorted(stop_ids) or None,
-                                          terminate_without_stop_token=not stop_ids)
+    def __init__(self, compiled: Any, stop_ids: set[int], key: Hashable | None = None,
+                 mirrored: bool = False) -> None:
+        """`key`: what the grammar was compiled from (equal keys, the same grammar); `mirrored`:
+        a mask-fill worker may mirror this matcher (`grammar.fill_pool`), so the tokens it
+        accepts are kept until the mirror follows them."""
+        self.compiled = compiled
+        self.key = key
+        self.stop_ids = sorted(stop_ids)
+        self.matcher = new_matcher(compiled, self.stop_ids)
+        # Accepted tokens a mirror has not followed yet (all of them until one exists).
+        self.unsynced: list[int] | None = [] if mirrored else None
+        self.mirror: Any = None  # the fill pool's handle of this matcher's mirror, once made
 
     def fill(self, masks: np.ndarray, index: int) -> None:
         """Row `index` of `masks` ([rows, words] int32): the tokens the grammar allows next."""
@@ -38,7 +44,10 @@ class Guide:
 
     def accept(self, token: int) -> bool:
         """Follow a sampled token; False if the grammar does not allow it."""
-        return bool(self.matcher.accept_token(token))
+        accepted = bool(self.matcher.accept_token(token))
+        if accepted and self.unsynced is not None:
+            self.unsynced.append(token)
+        return accepted
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (jump-forward), as xgrammar splits the forced text
@@ -82,7 +91,20 @@ def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
         return []
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
+    for guide, token, ok in zip(guides, tokens, accepted):
+        if ok and guide.unsynced is not None:
+            guide.unsynced.append(token)
+    return accepted
+
+
+def new_matcher(compiled: Any, stop_ids: list[int]) -> Any:
+    """xgrammar's matcher of a guided request ending at `stop_ids` (sorted)."""
+    import xgrammar as xgr
+
+    # Without stop ids (ignore_eos and none given) the grammar ends the request itself.
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids or None,
+                              terminate_without_stop_token=not stop_ids)
 
 
 _per_thread = threading.local()  # BatchGrammarMatchers of a scheduler thread

@@ -47,7 +47,6 @@ class EngineClient:
             self.masks = MaskBuffer.of_engine(config, int(ready[0]["vocab_size"][0]))
             for conn, proc in zip(self._conns, self._procs):
                 self.masks.share(conn, proc.pid)  # type: ignore[arg-type]
-            self.masks.close_handle()
         except BaseException:
             self.shutdown()
             raise

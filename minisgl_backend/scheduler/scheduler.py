@@ -34,7 +34,8 @@ from minisgl_backend.core import (
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import MASKS_READY, StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
-from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks
+from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, guide_of
+from minisgl_backend.grammar.fill_pool import MaskFillPool, default_workers
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -61,6 +62,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Guided rows verify the tokens their grammar forces as drafts (see `speculation`).
     jump_forward: bool = True
+    # Processes filling guided rows' token masks beside the scheduler's thread (see
+    # `grammar.fill_pool`); None: `default_workers()`, 0: none.
+    grammar_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,11 @@ class Scheduler:
         # (with overlap, in a MASKS message once the tokens of the step before are read).
         self.guided_uids: set[int] = set()
         self.engine = engine or EngineClient(config.engine)
+        workers = (default_workers() if config.grammar_workers is None
+                   else config.grammar_workers)
+        masks = getattr(self.engine, "masks", None)  # a stand-in engine may have none
+        self.fill_pool = (MaskFillPool(workers, masks)
+                          if workers > 0 and masks is not None else None)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
                                   create_prefix_cache(config.cache, page_size),
@@ -295,6 +304,8 @@ class Scheduler:
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
+        if self.fill_pool is not None:
+            self.fill_pool.close()
         self.engine.shutdown()
 
     # ----- scheduler thread -----------------------------------------------------------------
@@ -362,7 +373,10 @@ class Scheduler:
             self.group_size[item.reqs[0].uid] = len(item.reqs)
         for req, tracker in zip(item.reqs, trackers):
             if req.grammar is not None:
-                req.guide = Guide(req.grammar, tracker.stop_ids)
+                req.guide = Guide(req.grammar, tracker.stop_ids, guide_of(req.sampling_params),
+                                  mirrored=self.fill_pool is not None)
+                if self.fill_pool is not None:
+                    self.fill_pool.start(req.grammar.tokenizer_info)
             self.trackers[req.uid] = tracker
             self.prefill.add(req)
 
@@ -581,7 +595,9 @@ class Scheduler:
                 plain.append(req.guide)
                 plain_slots.append(slot)
             slot = end
-        fill_masks(plain, masks, plain_slots)
+        if self.fill_pool is None or not self.fill_pool.fill(plain, half, len(masks),
+                                                             plain_slots):
+            fill_masks(plain, masks, plain_slots)
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         stop_ids = (sorted(self.trackers[req.uid].stop_ids)

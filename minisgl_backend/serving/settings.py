@@ -30,6 +30,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type | str]] = {
     "fused_gemv_max_bs": ("fused_gemv_max_bs", int),
     "mixed_prefill": ("mixed_prefill", "bool"),
     "jump_forward": ("jump_forward", "bool"),
+    "grammar_workers": ("grammar_workers", int),
     "load_format": ("load_format", str),
     # Speculative decoding: SpeculativeConfig's fields, parameters of the same names.
     **{name: (name, {"int": int, "float": float}.get(spec.kind, str))

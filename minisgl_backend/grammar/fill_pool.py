@@ -1,0 +1,281 @@
+"""Worker processes that fill the guided rows' token masks beside the scheduler's thread.
+
+xgrammar keeps the GIL through a fill, so on the scheduler's thread a step's fills add to
+everything else the thread does for the step: at 64 rows of a JSON schema on the H200 host,
+1.9 ms a step against 0.5 unguided, past a decode step's device time, so the GPU waits. Each
+worker here holds mirrors of some guided requests' matchers and fills their rows straight into
+the engine's shared mask buffer, the workers in parallel. The scheduler's own matchers stay the
+reference (accepting, ending, jump-forward, drafts); a mirror follows its matcher by accepting
+the same tokens, which travel with the next fill order. Rows with drafts, small batches, and
+every step before the workers are up are filled on the scheduler's thread as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minisgl_backend.engine.mask_buffer import MaskBuffer
+from minisgl_backend.grammar.guide import Guide, new_matcher
+from minisgl_backend.host_cpus import usable_cpus
+
+logger = logging.getLogger(__name__)
+
+WORKERS_MAX = 4
+# Below this many rows a step's fills stay on the scheduler's thread: an order's round trip
+# (about 0.1 ms) costs more than the fills it moves.
+POOL_MIN_ROWS = 16
+SERIALIZED_GRAMMARS_KEPT = 16  # compiled grammars' serialized forms kept for new mirrors
+REPLY_TIMEOUT_S = 60.0
+
+
+def default_workers() -> int:
+    """Workers when the setting is left to the engine: half the CPUs this process may use
+    beyond two (the scheduler's thread and the engine process), at most WORKERS_MAX; none
+    on a host of two CPUs or fewer."""
+    return max(0, min(WORKERS_MAX, (usable_cpus() - 2) // 2))
+
+
+@dataclass
+class FillOrder:
+    """The scheduler's order to one worker for one step (a worker answers None, or an error's
+    text)."""
+
+    half: int  # the mask buffer's half of the step
+    slots: int  # rows of that half the step uses
+    # (grammar id, xgrammar's serialized form) of grammars new to the worker
+    grammars: list[tuple[int, str]] = field(default_factory=list)
+    # (mirror id, grammar id, stop ids) of new mirrors
+    opens: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    drops: list[int] = field(default_factory=list)  # mirrors whose requests ended
+    forgets: list[int] = field(default_factory=list)  # grammars no mirror of it uses any more
+    # (mirror id, its matcher's tokens to accept first, the row to fill)
+    rows: list[tuple[int, list[int], int]] = field(default_factory=list)
+
+
+@dataclass
+class _Mirror:
+    worker: int
+    ident: int
+
+
+class _Worker:
+    def __init__(self, conn: Connection, proc: mp.process.BaseProcess) -> None:
+        self.conn = conn
+        self.proc = proc
+        self.users: dict[int, int] = {}  # grammar id -> its live mirrors on this worker
+        self.mirrors = 0
+
+
+class MaskFillPool:
+    """`workers` processes filling guided rows into `masks`, started by `start`."""
+
+    def __init__(self, workers: int, masks: MaskBuffer, min_rows: int = POOL_MIN_ROWS) -> None:
+        self.size = workers
+        self.min_rows = min_rows
+        self.fills = 0  # steps the workers filled
+        self._masks = masks
+        self._workers: list[_Worker] = []  # set once every worker is up
+        self._starting: threading.Thread | None = None
+        self._failed = False
+        # (worker, mirror, grammar) of guides gone (appended by their finalizers, on any thread)
+        self._ended: deque[tuple[int, int, int]] = deque()
+        self._serialized: OrderedDict[Hashable, tuple[int, str]] = OrderedDict()
+        self._next_id = 0
+
+    def start(self, tokenizer_info: Any) -> None:
+        """Start the workers in the background (xgrammar's TokenizerInfo of the grammars they
+        will mirror); until they are up, `fill` leaves the rows to the caller."""
+        if self._starting is None and self.size > 0:
+            self._starting = threading.Thread(target=self._spawn, args=(tokenizer_info,),
+                                              name="minisgl-fill-pool-start", daemon=True)
+            self._starting.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the workers are up, waiting at most `timeout` seconds (tests)."""
+        if self._starting is not None:
+            self._starting.join(timeout)
+        return bool(self._workers)
+
+    def _spawn(self, tokenizer_info: Any) -> None:
+        ctx = mp.get_context("spawn")
+        info = tokenizer_info.serialize_json()
+        workers = []
+        try:
+            for i in range(self.size):
+                ours, theirs = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=_serve, name=f"minisgl-mask-fill-{i}",
+                                   args=(theirs, self._masks.slots, self._masks.words),
+                                   daemon=True)
+                proc.start()
+                theirs.close()
+                self._masks.share(ours, proc.pid)  # type: ignore[arg-type]
+                ours.send(info)
+                workers.append(_Worker(ours, proc))
+            for worker in workers:
+                _reply(worker.conn, "starting")
+        except Exception:  # the scheduler fills every row itself instead
+            logger.exception("mask-fill workers did not start; guided masks stay on the "
+                             "scheduler's thread")
+            self._failed = True
+            _stop(workers)
+            return
+        self._workers = workers
+
+    def fill(self, guides: list[Guide], half: int, slots: int, indices: list[int]) -> bool:
+        """Row `indices[i]` of half `half` of the mask buffer (a step using `slots` rows) for
+        `guides[i]`, by the workers; False (nothing written) when they cannot: too few rows,
+        not up yet, a guide without a mirror's record, or the pool failed."""
+        if (len(guides) < self.min_rows or not self._workers or self._failed
+                or any(guide.unsynced is None for guide in guides)):
+            return False
+        orders = [FillOrder(half, slots) for _ in self._workers]
+        self._take_ended(orders)
+        for guide, index in zip(guides, indices):
+            mirror = guide.mirror or self._open(guide, orders)
+            orders[mirror.worker].rows.append((mirror.ident, guide.unsynced, index))
+            guide.unsynced = []
+        try:
+            for worker, order in zip(self._workers, orders):
+                worker.conn.send(order)
+            for worker in self._workers:
+                _reply(worker.conn, "fill")
+        except Exception as exc:  # noqa: BLE001 - the scheduler's matchers are the reference
+            logger.error("mask-fill workers failed (%s); guided masks stay on the scheduler's "
+                         "thread", exc)
+            self.close()
+            return False
+        self.fills += 1
+        return True
+
+    def _open(self, guide: Guide, orders: list[FillOrder]) -> _Mirror:
+        """A mirror of `guide` on the worker with the fewest (its tokens so far follow)."""
+        index = min(range(len(self._workers)), key=lambda i: self._workers[i].mirrors)
+        worker, order = self._workers[index], orders[index]
+        grammar, serialized = self._grammar(guide)
+        if grammar not in worker.users:
+            order.grammars.append((grammar, serialized))
+            worker.users[grammar] = 0
+        worker.users[grammar] += 1
+        worker.mirrors += 1
+        self._next_id += 1
+        mirror = _Mirror(index, self._next_id)
+        order.opens.append((mirror.ident, grammar, guide.stop_ids))
+        guide.mirror = mirror
+        # The request's end drops the mirror (with the next order).
+        weakref.finalize(guide, self._ended.append, (index, mirror.ident, grammar))
+        return mirror
+
+    def _grammar(self, guide: Guide) -> tuple[int, str]:
+        """The id and serialized form of `guide`'s grammar (serialized once per key while kept;
+        without a key, once per guide)."""
+        key = guide.key if guide.key is not None else ("guide", id(guide))
+        found = self._serialized.get(key)
+        if found is None:
+            self._next_id += 1
+            found = (self._next_id, guide.compiled.serialize_json())
+            if guide.key is not None:
+                self._serialized[key] = found
+                if len(self._serialized) > SERIALIZED_GRAMMARS_KEPT:
+                    self._serialized.popitem(last=False)
+        else:
+            self._serialized.move_to_end(key)
+        return found
+
+    def _take_ended(self, orders: list[FillOrder]) -> None:
+        while self._ended:
+            index, ident, grammar = self._ended.popleft()
+            worker, order = self._workers[index], orders[index]
+            order.drops.append(ident)
+            worker.mirrors -= 1
+            worker.users[grammar] -= 1
+            if not worker.users[grammar]:
+                del worker.users[grammar]
+                order.forgets.append(grammar)
+
+    def close(self) -> None:
+        """Stop the workers (the scheduler fills every row itself from then on)."""
+        self._failed = True
+        if self._starting is not None:
+            self._starting.join()
+        workers, self._workers = self._workers, []
+        _stop(workers)
+
+
+def _reply(conn: Connection, what: str) -> None:
+    if not conn.poll(REPLY_TIMEOUT_S):
+        raise TimeoutError(f"a mask-fill worker did not answer its {what} order")
+    error = conn.recv()
+    if error is not None:
+        raise RuntimeError(f"a mask-fill worker failed: {error}")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except OSError:
+            pass
+    for worker in workers:
+        worker.proc.join(5.0)
+        if worker.proc.is_alive():
+            worker.proc.kill()
+        worker.conn.close()
+
+
+def _serve(conn: Connection, slots: int, words: int) -> None:
+    """A worker's loop: mirrors made, followed and dropped, and their rows filled, as each
+    order says."""
+    import xgrammar as xgr
+
+    masks = MaskBuffer(slots, words, reduction.recv_handle(conn))
+    info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    fill = xgr.BatchGrammarMatcher(1)
+    grammars: dict[int, Any] = {}
+    mirrors: dict[int, Any] = {}
+    conn.send(None)
+    while True:
+        try:
+            order: FillOrder | None = conn.recv()
+        except EOFError:
+            return
+        if order is None:
+            return
+        try:
+            for grammar, serialized in order.grammars:
+                grammars[grammar] = xgr.CompiledGrammar.deserialize_json(serialized, info)
+            for ident, grammar, stop_ids in order.opens:
+                mirrors[ident] = new_matcher(grammars[grammar], stop_ids)
+            for ident in order.drops:
+                del mirrors[ident]
+            for grammar in order.forgets:
+                del grammars[grammar]
+            matchers = [mirrors[ident] for ident, _, _ in order.rows]
+            _follow(matchers, [tokens for _, tokens, _ in order.rows])
+            fill.batch_fill_next_token_bitmask(matchers, masks.view(order.half, order.slots),
+                                               indices=[index for _, _, index in order.rows])
+            conn.send(None)
+        except Exception as exc:  # noqa: BLE001 - the scheduler stops using the pool
+            conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def _follow(matchers: list[Any], tokens: list[list[int]]) -> None:
+    """Each mirror accepts its matcher's tokens since the last order: one batch call for the
+    usual single token, one call a token otherwise."""
+    import xgrammar as xgr
+
+    single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
+    if single and not all(xgr.BatchGrammarMatcher.batch_accept_token(
+            [matchers[i] for i in single], [tokens[i][0] for i in single])):
+        raise RuntimeError("a mirror refused its matcher's token")
+    for matcher, toks in zip(matchers, tokens):
+        if len(toks) > 1 and not all(matcher.accept_token(token) for token in toks):
+            raise RuntimeError("a mirror refused its matcher's token")
