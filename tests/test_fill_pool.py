@@ -147,3 +147,12 @@ def test_generation_with_fill_workers_is_identical(tiny_models: dict[str, Path],
 def test_grammar_workers_setting_is_checked(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="grammar_workers must be an integer >= 0"):
         LLM(tiny_models["llama"], device="cpu", grammar_workers=-1)
+
+
+def test_workers_start_only_for_a_step_of_min_rows(tiny_models: dict[str, Path]) -> None:
+    """An engine whose steps never hold 16 guided rows never starts a worker."""
+    with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
+             grammar_workers=2) as engine:
+        engine.generate(*_mix())
+        pool = engine.scheduler.fill_pool
+        assert pool.min_rows == 16 and not pool.wait_ready(0) and pool.fills == 0

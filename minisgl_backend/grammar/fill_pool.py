@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Hashable
@@ -35,6 +36,9 @@ WORKERS_MAX = 4
 POOL_MIN_ROWS = 16
 SERIALIZED_GRAMMARS_KEPT = 16  # compiled grammars' serialized forms kept for new mirrors
 REPLY_TIMEOUT_S = 60.0
+# A worker polls for its next order this long before it blocks: a core woken from sleep every
+# step runs the fill at a low clock, after a slow wake-up.
+SPIN_S = 0.0
 
 
 def default_workers() -> int:
@@ -46,8 +50,8 @@ def default_workers() -> int:
 
 @dataclass
 class FillOrder:
-    """The scheduler's order to one worker for one step (a worker answers None, or an error's
-    text)."""
+    """The scheduler's order to one worker for one step (a worker answers the seconds its work
+    took, or an error's text)."""
 
     half: int  # the mask buffer's half of the step
     slots: int  # rows of that half the step uses
@@ -82,6 +86,8 @@ class MaskFillPool:
         self.size = workers
         self.min_rows = min_rows
         self.fills = 0  # steps the workers filled
+        self.wait_seconds = 0.0  # of those steps: waiting for the workers' answers
+        self.work_seconds = 0.0  # of those steps: the slowest worker's work
         self._masks = masks
         self._workers: list[_Worker] = []  # set once every worker is up
         self._starting: threading.Thread | None = None
@@ -93,7 +99,9 @@ class MaskFillPool:
 
     def start(self, tokenizer_info: Any) -> None:
         """Start the workers in the background (xgrammar's TokenizerInfo of the grammars they
-        will mirror); until they are up, `fill` leaves the rows to the caller."""
+        will mirror), if not yet; until they are up, `fill` leaves the rows to the caller. The
+        first step of `min_rows` guided rows starts them (a process of xgrammar and torch
+        each, about 2 s of a CPU and 0.3 GB; engines that never guide that many pay nothing)."""
         if self._starting is None and self.size > 0:
             self._starting = threading.Thread(target=self._spawn, args=(tokenizer_info,),
                                               name="minisgl-fill-pool-start", daemon=True)
@@ -113,7 +121,8 @@ class MaskFillPool:
             for i in range(self.size):
                 ours, theirs = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=_serve, name=f"minisgl-mask-fill-{i}",
-                                   args=(theirs, self._masks.slots, self._masks.words),
+                                   args=(theirs, self._masks.slots, self._masks.words,
+                                         SPIN_S),
                                    daemon=True)
                 proc.start()
                 theirs.close()
@@ -134,8 +143,11 @@ class MaskFillPool:
         """Row `indices[i]` of half `half` of the mask buffer (a step using `slots` rows) for
         `guides[i]`, by the workers; False (nothing written) when they cannot: too few rows,
         not up yet, a guide without a mirror's record, or the pool failed."""
-        if (len(guides) < self.min_rows or not self._workers or self._failed
+        if (len(guides) < self.min_rows or self._failed
                 or any(guide.unsynced is None for guide in guides)):
+            return False
+        if not self._workers:  # started by the first step that needs them
+            self.start(guides[0].compiled.tokenizer_info)
             return False
         orders = [FillOrder(half, slots) for _ in self._workers]
         self._take_ended(orders)
@@ -146,8 +158,10 @@ class MaskFillPool:
         try:
             for worker, order in zip(self._workers, orders):
                 worker.conn.send(order)
-            for worker in self._workers:
-                _reply(worker.conn, "fill")
+            start = time.perf_counter()
+            work = max(_reply(worker.conn, "fill") for worker in self._workers)
+            self.wait_seconds += time.perf_counter() - start
+            self.work_seconds += work
         except Exception as exc:  # noqa: BLE001 - the scheduler's matchers are the reference
             logger.error("mask-fill workers failed (%s); guided masks stay on the scheduler's "
                          "thread", exc)
@@ -210,12 +224,14 @@ class MaskFillPool:
         _stop(workers)
 
 
-def _reply(conn: Connection, what: str) -> None:
+def _reply(conn: Connection, what: str) -> float:
+    """A worker's answer: the seconds its work took."""
     if not conn.poll(REPLY_TIMEOUT_S):
         raise TimeoutError(f"a mask-fill worker did not answer its {what} order")
-    error = conn.recv()
-    if error is not None:
-        raise RuntimeError(f"a mask-fill worker failed: {error}")
+    answer = conn.recv()
+    if isinstance(answer, str):
+        raise RuntimeError(f"a mask-fill worker failed: {answer}")
+    return float(answer)
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -231,7 +247,7 @@ def _stop(workers: list[_Worker]) -> None:
         worker.conn.close()
 
 
-def _serve(conn: Connection, slots: int, words: int) -> None:
+def _serve(conn: Connection, slots: int, words: int, spin_s: float) -> None:
     """A worker's loop: mirrors made, followed and dropped, and their rows filled, as each
     order says."""
     import xgrammar as xgr
@@ -241,14 +257,15 @@ def _serve(conn: Connection, slots: int, words: int) -> None:
     fill = xgr.BatchGrammarMatcher(1)
     grammars: dict[int, Any] = {}
     mirrors: dict[int, Any] = {}
-    conn.send(None)
+    conn.send(0.0)
     while True:
         try:
-            order: FillOrder | None = conn.recv()
+            order: FillOrder | None = _next_order(conn, spin_s)
         except EOFError:
             return
         if order is None:
             return
+        start = time.perf_counter()
         try:
             for grammar, serialized in order.grammars:
                 grammars[grammar] = xgr.CompiledGrammar.deserialize_json(serialized, info)
@@ -262,9 +279,16 @@ def _serve(conn: Connection, slots: int, words: int) -> None:
             _follow(matchers, [tokens for _, tokens, _ in order.rows])
             fill.batch_fill_next_token_bitmask(matchers, masks.view(order.half, order.slots),
                                                indices=[index for _, _, index in order.rows])
-            conn.send(None)
+            conn.send(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - the scheduler stops using the pool
             conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def _next_order(conn: Connection, spin_s: float) -> FillOrder | None:
+    deadline = time.perf_counter() + spin_s
+    while time.perf_counter() < deadline and not conn.poll(0):
+        pass
+    return conn.recv()
 
 
 def _follow(matchers: list[Any], tokens: list[list[int]]) -> None:

@@ -375,8 +375,6 @@ class Scheduler:
             if req.grammar is not None:
                 req.guide = Guide(req.grammar, tracker.stop_ids, guide_of(req.sampling_params),
                                   mirrored=self.fill_pool is not None)
-                if self.fill_pool is not None:
-                    self.fill_pool.start(req.grammar.tokenizer_info)
             self.trackers[req.uid] = tracker
             self.prefill.add(req)
 
