@@ -76,8 +76,8 @@ class LLM:
         jump_forward: structured output: the tokens a request's grammar forces are verified
             as drafts in one step instead of being sampled one per step (same output).
         grammar_workers: structured output: processes filling the guided rows' token masks
-            beside the scheduler's thread (from 16 guided rows a step); None: half the CPUs
-            beyond two, at most 4; 0: the scheduler's thread fills them.
+            beside the scheduler's thread (from 16 guided rows a step); 0: the scheduler's
+            thread fills them.
         debug_checks: verify page accounting after every step (slow; for tests).
         **speculative: speculative decoding, the fields of
             `minisgl_backend.speculative.SpeculativeConfig` (`speculative="ngram"` or
@@ -104,7 +104,7 @@ class LLM:
         fused_gemv_max_bs: int = 2,
         mixed_prefill: bool = False,
         jump_forward: bool = True,
-        grammar_workers: int | None = None,
+        grammar_workers: int = 0,
         debug_checks: bool = False,
         **speculative: Any,
     ) -> None:
@@ -114,10 +114,8 @@ class LLM:
         if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
             raise ValueError(
                 f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
-        if grammar_workers is not None and (not isinstance(grammar_workers, int)
-                                            or grammar_workers < 0):
-            raise ValueError(f"grammar_workers must be an integer >= 0 (or None), "
-                             f"got {grammar_workers!r}")
+        if not isinstance(grammar_workers, int) or grammar_workers < 0:
+            raise ValueError(f"grammar_workers must be an integer >= 0, got {grammar_workers!r}")
         if not isinstance(fused_gemv_max_bs, int) \
                 or not 0 <= fused_gemv_max_bs <= FUSED_GEMV_MAX_BS:
             raise ValueError(f"fused_gemv_max_bs must be an integer in [0, {FUSED_GEMV_MAX_BS}], "

@@ -38,7 +38,7 @@ from minisgl_backend.benchmark.tokenizer import committed_tokenizer
 from minisgl_backend.benchmark.workloads import anchor_workload
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.grammar import fill_pool, guide
+from minisgl_backend.grammar import guide
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.testing.instant_engine import InstantEngine
 
@@ -69,10 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fill-threads", type=int, default=None,
                         help="with --guided-batch: fill the masks on this many threads (at most "
                         "half the usable CPUs; default: guide.fill_threads' choice)")
-    parser.add_argument("--grammar-workers", type=int, nargs="+", default=None,
+    parser.add_argument("--grammar-workers", type=int, nargs="+", default=[0, 4],
                         help="with --guided-batch: time the JSON-schema runs with each of these "
-                        "numbers of mask-fill worker processes (default: 0 and, where it is "
-                        "not 0, the engine's default)")
+                        "numbers of mask-fill worker processes")
     return parser.parse_args(argv)
 
 
@@ -168,7 +167,7 @@ def main_guided(args: argparse.Namespace) -> None:
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=committed_tokenizer("llama-3"),
                                         eos_token="<|end_of_text|>")
-    workers = args.grammar_workers or sorted({0, fill_pool.default_workers()})
+    workers = args.grammar_workers
     rows = []
     for overlap in (True, False):
         base = None

@@ -13,7 +13,7 @@ import pytest
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar import Guide, allowed_tokens, fill_masks, guide_of, mask_words
-from minisgl_backend.grammar.fill_pool import MaskFillPool, default_workers
+from minisgl_backend.grammar.fill_pool import MaskFillPool
 from minisgl_backend.grammar.guide import accept_tokens
 from minisgl_backend.models import ModelConfig
 from tests.test_structured_output import KV_TOKENS, REGEXES, SCHEMAS, _mix, compile_guide
@@ -23,7 +23,7 @@ SLOTS = 24
 
 
 @pytest.fixture
-def pool_of(default_model: Path):  # noqa: ANN201 - a factory of started pools
+def pool_of(default_model: Path):
     pools = []
 
     def make(workers: int, masks: MaskBuffer) -> MaskFillPool:
@@ -47,7 +47,7 @@ def _new_guide(model: Path, rng: random.Random) -> Guide:
 
 
 def test_pool_rows_equal_the_scheduler_matchers_along_random_tokens(default_model: Path,
-                                                                    pool_of) -> None:  # noqa: ANN001
+                                                                    pool_of) -> None:
     vocab = ModelConfig.from_folder(default_model).vocab_size
     masks = MaskBuffer(SLOTS, mask_words(vocab))
     pool = pool_of(2, masks)
@@ -88,7 +88,7 @@ def test_pool_rows_equal_the_scheduler_matchers_along_random_tokens(default_mode
 
 
 def test_a_dead_worker_leaves_the_fills_to_the_scheduler(default_model: Path,
-                                                         pool_of) -> None:  # noqa: ANN001
+                                                         pool_of) -> None:
     vocab = ModelConfig.from_folder(default_model).vocab_size
     masks = MaskBuffer(SLOTS, mask_words(vocab))
     pool = pool_of(2, masks)
@@ -102,7 +102,7 @@ def test_a_dead_worker_leaves_the_fills_to_the_scheduler(default_model: Path,
 
 
 def test_too_few_rows_or_unmirrored_guides_stay_on_the_scheduler(default_model: Path,
-                                                                 pool_of) -> None:  # noqa: ANN001
+                                                                 pool_of) -> None:
     vocab = ModelConfig.from_folder(default_model).vocab_size
     pool = pool_of(1, MaskBuffer(SLOTS, mask_words(vocab)))
     params = SamplingParams(regex=REGEXES[1])
@@ -111,14 +111,6 @@ def test_too_few_rows_or_unmirrored_guides_stay_on_the_scheduler(default_model: 
     pool.min_rows = 3
     assert not pool.fill([Guide(compiled, set(), mirrored=True)] * 2, 0, SLOTS, [0, 1])
     assert pool.fills == 0
-
-
-def test_default_workers_leave_two_cpus_and_stop_at_four(monkeypatch: pytest.MonkeyPatch) -> None:
-    from minisgl_backend.grammar import fill_pool
-
-    for cpus, workers in [(1, 0), (2, 0), (4, 1), (8, 3), (16, 4), (64, 4)]:
-        monkeypatch.setattr(fill_pool, "usable_cpus", lambda cpus=cpus: cpus)
-        assert default_workers() == workers
 
 
 @pytest.mark.parametrize("settings", [{}, {"overlap": False},

@@ -26,26 +26,14 @@ from typing import Any
 
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.grammar.guide import Guide, new_matcher
-from minisgl_backend.host_cpus import usable_cpus
 
 logger = logging.getLogger(__name__)
 
-WORKERS_MAX = 4
 # Below this many rows a step's fills stay on the scheduler's thread: an order's round trip
 # (about 0.1 ms) costs more than the fills it moves.
 POOL_MIN_ROWS = 16
 SERIALIZED_GRAMMARS_KEPT = 16  # compiled grammars' serialized forms kept for new mirrors
 REPLY_TIMEOUT_S = 60.0
-# A worker polls for its next order this long before it blocks: a core woken from sleep every
-# step runs the fill at a low clock, after a slow wake-up.
-SPIN_S = 0.0
-
-
-def default_workers() -> int:
-    """Workers when the setting is left to the engine: half the CPUs this process may use
-    beyond two (the scheduler's thread and the engine process), at most WORKERS_MAX; none
-    on a host of two CPUs or fewer."""
-    return max(0, min(WORKERS_MAX, (usable_cpus() - 2) // 2))
 
 
 @dataclass
@@ -121,8 +109,7 @@ class MaskFillPool:
             for i in range(self.size):
                 ours, theirs = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=_serve, name=f"minisgl-mask-fill-{i}",
-                                   args=(theirs, self._masks.slots, self._masks.words,
-                                         SPIN_S),
+                                   args=(theirs, self._masks.slots, self._masks.words),
                                    daemon=True)
                 proc.start()
                 theirs.close()
@@ -229,8 +216,8 @@ def _reply(conn: Connection, what: str) -> float:
     if not conn.poll(REPLY_TIMEOUT_S):
         raise TimeoutError(f"a mask-fill worker did not answer its {what} order")
     answer = conn.recv()
-    if isinstance(answer, str):
-        raise RuntimeError(f"a mask-fill worker failed: {answer}")
+    if isinstance(answer, str):  # the worker's error
+        raise RuntimeError(f"a mask-fill worker failed: {answer}")  # noqa: TRY004
     return float(answer)
 
 
@@ -247,7 +234,7 @@ def _stop(workers: list[_Worker]) -> None:
         worker.conn.close()
 
 
-def _serve(conn: Connection, slots: int, words: int, spin_s: float) -> None:
+def _serve(conn: Connection, slots: int, words: int) -> None:
     """A worker's loop: mirrors made, followed and dropped, and their rows filled, as each
     order says."""
     import xgrammar as xgr
@@ -260,7 +247,7 @@ def _serve(conn: Connection, slots: int, words: int, spin_s: float) -> None:
     conn.send(0.0)
     while True:
         try:
-            order: FillOrder | None = _next_order(conn, spin_s)
+            order: FillOrder | None = conn.recv()
         except EOFError:
             return
         if order is None:
@@ -282,13 +269,6 @@ def _serve(conn: Connection, slots: int, words: int, spin_s: float) -> None:
             conn.send(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - the scheduler stops using the pool
             conn.send(f"{type(exc).__name__}: {exc}")
-
-
-def _next_order(conn: Connection, spin_s: float) -> FillOrder | None:
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline and not conn.poll(0):
-        pass
-    return conn.recv()
 
 
 def _follow(matchers: list[Any], tokens: list[list[int]]) -> None:

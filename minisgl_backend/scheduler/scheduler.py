@@ -35,7 +35,7 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import MASKS_READY, StepMessage, StepReply
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, guide_of
-from minisgl_backend.grammar.fill_pool import MaskFillPool, default_workers
+from minisgl_backend.grammar.fill_pool import MaskFillPool
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -63,8 +63,8 @@ class SchedulerConfig:
     # Guided rows verify the tokens their grammar forces as drafts (see `speculation`).
     jump_forward: bool = True
     # Processes filling guided rows' token masks beside the scheduler's thread (see
-    # `grammar.fill_pool`); None: `default_workers()`, 0: none.
-    grammar_workers: int | None = None
+    # `grammar.fill_pool`); 0: none, the scheduler's thread fills them.
+    grammar_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,11 +156,9 @@ class Scheduler:
         # (with overlap, in a MASKS message once the tokens of the step before are read).
         self.guided_uids: set[int] = set()
         self.engine = engine or EngineClient(config.engine)
-        workers = (default_workers() if config.grammar_workers is None
-                   else config.grammar_workers)
         masks = getattr(self.engine, "masks", None)  # a stand-in engine may have none
-        self.fill_pool = (MaskFillPool(workers, masks)
-                          if workers > 0 and masks is not None else None)
+        self.fill_pool = (MaskFillPool(config.grammar_workers, masks)
+                          if config.grammar_workers > 0 and masks is not None else None)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
                                   create_prefix_cache(config.cache, page_size),
