@@ -87,6 +87,50 @@ def test_pool_rows_equal_the_scheduler_matchers_along_random_tokens(default_mode
     assert sum(worker.mirrors for worker in pool._workers) == 1
 
 
+def test_tokens_sent_ahead_are_followed_before_the_fill(default_model: Path, pool_of) -> None:
+    """`begin` with the tokens the scheduler's matchers accept while the workers fill (as the
+    overlapped step does): the rows equal the matchers' after those accepts, a grammar the
+    token ends allows every token, and no token reaches a mirror twice."""
+    vocab = ModelConfig.from_folder(default_model).vocab_size
+    masks = MaskBuffer(SLOTS, mask_words(vocab))
+    pool = pool_of(2, masks)
+    rng = random.Random(1)
+    regex = SamplingParams(regex=REGEXES[1])  # short: some end within the walk
+    fresh = lambda: Guide(compile_guide(default_model, regex), set(), guide_of(regex),  # noqa: E731
+                          mirrored=True)
+    guides = [fresh() for _ in range(6)]
+    ended = 0
+    for step in range(30):
+        now = np.zeros((len(guides), masks.words), dtype=np.int32)
+        for i, guide in enumerate(guides):
+            guide.fill(now, i)
+        picks = [int(rng.choice(allowed_tokens(now[i]))) for i in range(len(guides))]
+        late = rng.randrange(len(guides))  # one row's token follows after the fill instead
+        ahead = [None if i == late else token for i, token in enumerate(picks)]
+        half, slots = step % 2, rng.sample(range(SLOTS), len(guides))
+        assert pool.begin(guides, half, SLOTS, slots, ahead)
+        early = [i for i in range(len(guides)) if i != late]
+        assert all(accept_tokens([guides[i] for i in early], [picks[i] for i in early]))
+        assert pool.finish()
+        view = masks.view(half, SLOTS)
+        for i, guide in enumerate(guides):
+            if i == late:
+                continue
+            assert guide.unsynced == [] and guide.sent_ahead is None
+            if guide.finished:
+                assert (view[slots[i]] == -1).all()
+            else:
+                row = np.zeros((1, masks.words), dtype=np.int32)
+                guide.fill(row, 0)
+                assert (view[slots[i]] == row[0]).all(), f"step {step}, row {i}"
+        assert guides[late].accept(picks[late]) and guides[late].unsynced == [picks[late]]
+        for i, guide in enumerate(guides):
+            if guide.finished:
+                guides[i] = fresh()
+                ended += 1
+    assert ended > 0 and pool.fills == 30
+
+
 def test_a_dead_worker_leaves_the_fills_to_the_scheduler(default_model: Path,
                                                          pool_of) -> None:
     vocab = ModelConfig.from_folder(default_model).vocab_size

@@ -130,6 +130,14 @@ class MaskFillPool:
         """Row `indices[i]` of half `half` of the mask buffer (a step using `slots` rows) for
         `guides[i]`, by the workers; False (nothing written) when they cannot: too few rows,
         not up yet, a guide without a mirror's record, or the pool failed."""
+        return self.begin(guides, half, slots, indices) and self.finish()
+
+    def begin(self, guides: list[Guide], half: int, slots: int, indices: list[int],
+              ahead: list[int | None] | None = None) -> bool:
+        """Send `fill`'s orders without waiting for them (`finish` waits). `ahead[i]`: a token
+        `guides[i]` will accept before `finish` (its mirror accepts it first; a mirror whose
+        grammar it ends allows every token, as the scheduler's rule for an ended request
+        does), so that the scheduler's own accepts run while the workers fill."""
         if (len(guides) < self.min_rows or self._failed
                 or any(guide.unsynced is None for guide in guides)):
             return False
@@ -138,24 +146,40 @@ class MaskFillPool:
             return False
         orders = [FillOrder(half, slots) for _ in self._workers]
         self._take_ended(orders)
-        for guide, index in zip(guides, indices):
+        for i, (guide, index) in enumerate(zip(guides, indices)):
             mirror = guide.mirror or self._open(guide, orders)
-            orders[mirror.worker].rows.append((mirror.ident, guide.unsynced, index))
-            guide.unsynced = []
+            tokens, guide.unsynced = guide.unsynced, []
+            token = ahead[i] if ahead is not None else None
+            if token is not None:
+                tokens = [*tokens, token]
+                guide.sent_ahead = token
+            orders[mirror.worker].rows.append((mirror.ident, tokens, index))
         try:
             for worker, order in zip(self._workers, orders):
                 worker.conn.send(order)
+        except Exception as exc:  # noqa: BLE001 - the scheduler's matchers are the reference
+            self._give_up(exc)
+            return False
+        return True
+
+    def finish(self) -> bool:
+        """Wait for the orders `begin` sent; False when the workers failed (their rows are
+        then the caller's to fill)."""
+        try:
             start = time.perf_counter()
             work = max(_reply(worker.conn, "fill") for worker in self._workers)
             self.wait_seconds += time.perf_counter() - start
             self.work_seconds += work
         except Exception as exc:  # noqa: BLE001 - the scheduler's matchers are the reference
-            logger.error("mask-fill workers failed (%s); guided masks stay on the scheduler's "
-                         "thread", exc)
-            self.close()
+            self._give_up(exc)
             return False
         self.fills += 1
         return True
+
+    def _give_up(self, exc: Exception) -> None:
+        logger.error("mask-fill workers failed (%s); guided masks stay on the scheduler's "
+                     "thread", exc)
+        self.close()
 
     def _open(self, guide: Guide, orders: list[FillOrder]) -> _Mirror:
         """A mirror of `guide` on the worker with the fewest (its tokens so far follow)."""
@@ -264,8 +288,15 @@ def _serve(conn: Connection, slots: int, words: int) -> None:
                 del grammars[grammar]
             matchers = [mirrors[ident] for ident, _, _ in order.rows]
             _follow(matchers, [tokens for _, tokens, _ in order.rows])
-            fill.batch_fill_next_token_bitmask(matchers, masks.view(order.half, order.slots),
-                                               indices=[index for _, _, index in order.rows])
+            view = masks.view(order.half, order.slots)
+            live, rows = [], []
+            for matcher, (_, _, index) in zip(matchers, order.rows):
+                if matcher.is_terminated():  # its request ended: every token allowed
+                    view[index] = -1
+                else:
+                    live.append(matcher)
+                    rows.append(index)
+            fill.batch_fill_next_token_bitmask(live, view, indices=rows)
             conn.send(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - the scheduler stops using the pool
             conn.send(f"{type(exc).__name__}: {exc}")

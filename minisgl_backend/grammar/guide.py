@@ -37,6 +37,8 @@ class Guide:
         # Accepted tokens a mirror has not followed yet (all of them until one exists).
         self.unsynced: list[int] | None = [] if mirrored else None
         self.mirror: Any = None  # the fill pool's handle of this matcher's mirror, once made
+        # A token the mirror was sent before this matcher accepts it (`MaskFillPool.begin`).
+        self.sent_ahead: int | None = None
 
     def fill(self, masks: np.ndarray, index: int) -> None:
         """Row `index` of `masks` ([rows, words] int32): the tokens the grammar allows next."""
@@ -45,9 +47,19 @@ class Guide:
     def accept(self, token: int) -> bool:
         """Follow a sampled token; False if the grammar does not allow it."""
         accepted = bool(self.matcher.accept_token(token))
-        if accepted and self.unsynced is not None:
-            self.unsynced.append(token)
+        if accepted:
+            self.followed(token)
         return accepted
+
+    def followed(self, token: int) -> None:
+        """Keep an accepted token for the mirror, unless it was sent to it ahead."""
+        if self.unsynced is None:
+            return
+        ahead, self.sent_ahead = self.sent_ahead, None
+        if ahead is None:
+            self.unsynced.append(token)
+        elif ahead != token:  # the mirror went another way: none follows this matcher now
+            self.unsynced = None
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (jump-forward), as xgrammar splits the forced text
@@ -93,8 +105,8 @@ def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
 
     accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in guides], tokens)
     for guide, token, ok in zip(guides, tokens, accepted):
-        if ok and guide.unsynced is not None:
-            guide.unsynced.append(token)
+        if ok:
+            guide.followed(token)
     return accepted
 
 

@@ -414,10 +414,14 @@ class Scheduler:
         if self.in_flight is not None:
             if sent is not None and sent.masks_follow and not any(
                     req.drafts for req in self.in_flight.batch):
-                # The masks wait on the engine: only the grammars follow the tokens first.
+                # The masks wait on the engine: only the grammars follow the tokens first
+                # (while mask-fill workers, if any, fill the masks).
                 reply = self.engine.receive_step(self.config.step_timeout)
-                self._advance_guides(self.in_flight, reply)
-                self._send_masks(sent)
+                pairs = self._guided_tokens(self.in_flight, reply)
+                by_workers = self._fill_ahead(sent, pairs)
+                OutputTracker.advance_guides([tracker for tracker, _ in pairs],
+                                             [token for _, token in pairs])
+                self._send_masks(sent, by_workers)
                 self._read_tokens(self.in_flight, reply)
             else:
                 self._read_tokens(self.in_flight)
@@ -456,9 +460,10 @@ class Scheduler:
         self._long_rope_rows.append((req.table_idx, req.prefill_len))
         self.prefill.restart(req)
 
-    def _send_masks(self, sent: _SentStep) -> None:
-        """Write the masks that follow step `sent` and tell the engine they are there."""
-        self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
+    def _send_masks(self, sent: _SentStep, by_workers: list[int] | None = None) -> None:
+        """Write the masks that follow step `sent` (but those of rows `by_workers`, which the
+        mask-fill workers are filling: `_fill_ahead`) and tell the engine they are there."""
+        self._write_masks(sent.batch, sent.masks_follow, sent.mask_half, by_workers or [])
         self.engine.send(MASKS_READY)
         sent.masks_follow = []
 
@@ -572,45 +577,86 @@ class Scheduler:
         """Batch indices of the guided rows that sample a token this step."""
         return [i for i, req in enumerate(batch) if req.guide is not None and req.prompt_done]
 
-    def _write_masks(self, batch: list[Req], guided: list[int], half: int) -> None:
+    def _write_masks(self, batch: list[Req], guided: list[int], half: int,
+                     by_workers: list[int] | None = None) -> None:
         """The grammar masks of the slots of the guided rows `guided` (batch indices), into
-        half `half` of the mask buffer; a row whose request has ended since (it runs one extra
-        step, whose token is dropped) allows every token."""
+        half `half` of the mask buffer, but those of rows `by_workers` (the mask-fill workers',
+        waited for here); a row whose request has ended since (it runs one extra step, whose
+        token is dropped) allows every token."""
         masks = self.engine.masks.view(half, len(_slots_of(batch, guided)))
         plain: list[Guide] = []  # rows without drafts: one parallel fill
         plain_slots: list[int] = []
-        slot = 0
-        for i in guided:
+        skip = set(by_workers or ())
+        for i, slot in zip(guided, self._mask_starts(batch, guided)):
+            if i in skip:
+                continue
             req = batch[i]
-            end = slot + 1 + len(req.drafts)
-            if req.uid not in self.trackers or req.guide.finished:
-                masks[slot:end] = -1
+            if self._allows_all(req):
+                masks[slot:slot + 1 + len(req.drafts)] = -1
             elif req.drafts:
                 req.guide.fill_with_drafts(masks, slot, req.drafts)
             else:
                 plain.append(req.guide)
                 plain_slots.append(slot)
-            slot = end
+        if by_workers and not self.fill_pool.finish():  # the workers failed: theirs too
+            for i, slot in zip(guided, self._mask_starts(batch, guided)):
+                if i in skip and self._allows_all(batch[i]):
+                    masks[slot] = -1
+                elif i in skip:
+                    plain.append(batch[i].guide)
+                    plain_slots.append(slot)
         if self.fill_pool is None or not self.fill_pool.fill(plain, half, len(masks),
                                                              plain_slots):
             fill_masks(plain, masks, plain_slots)
+
+    def _allows_all(self, req: Req) -> bool:
+        """Its request ended (or its grammar did): the row's mask allows every token."""
+        return req.uid not in self.trackers or req.guide.finished
+
+    @staticmethod
+    def _mask_starts(batch: list[Req], guided: list[int]) -> list[int]:
+        """The first mask slot of each guided row (a row with drafts takes one slot more
+        each)."""
+        starts = np.cumsum([0] + [1 + len(batch[i].drafts) for i in guided])
+        return [int(s) for s in starts[:-1]]
+
+    def _fill_ahead(self, sent: _SentStep, pairs: list[tuple[OutputTracker, int]]) -> list[int]:
+        """With mask-fill workers: send them the masks of `sent`'s guided rows without drafts
+        now, with the tokens (`pairs`, of the step before) that the scheduler's matchers are
+        about to accept, so that those accepts run while the workers fill. The batch indices
+        the workers took (none: the masks are filled as usual)."""
+        if self.fill_pool is None:
+            return []
+        ahead = {tracker.req.uid: token for tracker, token in pairs
+                 if token not in tracker.stop_ids}  # what `advance_guides` accepts
+        rows, slots = [], []
+        for i, slot in zip(sent.masks_follow, self._mask_starts(sent.batch, sent.masks_follow)):
+            req = sent.batch[i]
+            if not req.drafts and not self._allows_all(req):
+                rows.append(i)
+                slots.append(slot)
+        taken = self.fill_pool.begin(
+            [sent.batch[i].guide for i in rows], sent.mask_half,
+            len(_slots_of(sent.batch, sent.masks_follow)), slots,
+            [ahead.get(sent.batch[i].uid) for i in rows])
+        return rows if taken else []
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         stop_ids = (sorted(self.trackers[req.uid].stop_ids)
                     if req.sampling_params.min_tokens > 0 else [])
         add_admission(msg, req, stop_ids)
 
-    def _advance_guides(self, sent: _SentStep, reply: StepReply) -> None:
-        """The grammars of the guided rows of `sent` (a step without drafts: one token a row)
-        follow their sampled tokens, as `_process` would."""
+    def _guided_tokens(self, sent: _SentStep, reply: StepReply
+                       ) -> list[tuple[OutputTracker, int]]:
+        """(tracker, sampled token) of the guided rows of `sent` (a step without drafts: one
+        token a row) whose grammars follow the token, as `_process` would."""
         sampled = reply.tokens
-        trackers, tokens = [], []
+        pairs = []
         for i, (req, counts) in enumerate(zip(sent.batch, sent.counts)):
             tracker = self.trackers.get(req.uid)
             if req.guide is not None and counts and tracker is not None and req.table_idx >= 0:
-                trackers.append(tracker)
-                tokens.append(int(sampled[i]))
-        OutputTracker.advance_guides(trackers, tokens)
+                pairs.append((tracker, int(sampled[i])))
+        return pairs
 
     def _process(self, sent: _SentStep, reply: StepReply) -> None:
         logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}
