@@ -123,11 +123,16 @@ class OutputTracker:
         until those masks are sent. Stop tokens, and requests without a grammar, are left to
         `add_token`."""
         pairs = [(tracker, token) for tracker, token in zip(trackers, tokens)
-                 if tracker.req.guide is not None and token not in tracker.stop_ids]
+                 if tracker.guide_follows_early(token)]
         accepted = accept_tokens([tracker.req.guide for tracker, _ in pairs],
                                  [token for _, token in pairs])
         for (tracker, token), ok in zip(pairs, accepted):
             tracker._guide_took = (token, bool(ok))
+
+    def guide_follows_early(self, token: int) -> bool:
+        """Whether `advance_guides` has the request's grammar follow `token` (a stop token is
+        left to `add_token`, which ends the request)."""
+        return self.req.guide is not None and token not in self.stop_ids
 
     def _guide_accepts(self, token: int) -> bool:
         took, self._guide_took = self._guide_took, None

@@ -628,7 +628,7 @@ class Scheduler:
         if self.fill_pool is None:
             return []
         ahead = {tracker.req.uid: token for tracker, token in pairs
-                 if token not in tracker.stop_ids}  # what `advance_guides` accepts
+                 if tracker.guide_follows_early(token)}  # what `advance_guides` accepts
         rows, slots = [], []
         for i, slot in zip(sent.masks_follow, self._mask_starts(sent.batch, sent.masks_follow)):
             req = sent.batch[i]
