@@ -158,8 +158,10 @@ def test_too_few_rows_or_unmirrored_guides_stay_on_the_scheduler(default_model: 
 
 
 @pytest.mark.parametrize("settings", [{}, {"overlap": False},
-                                      {"speculative": "ngram", "num_speculative_tokens": 3}],
-                         ids=["overlap", "no-overlap", "ngram"])
+                                      {"speculative": "ngram", "num_speculative_tokens": 3},
+                                      {"page_size": 16, "chunked_prefill_size": 16},
+                                      {"tp_size": 2}],
+                         ids=["overlap", "no-overlap", "ngram", "page16-chunked", "tp2"])
 def test_generation_with_fill_workers_is_identical(tiny_models: dict[str, Path],
                                                    settings: dict) -> None:
     prompts, cases = _mix()

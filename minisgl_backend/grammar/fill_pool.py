@@ -296,7 +296,8 @@ def _serve(conn: Connection, slots: int, words: int) -> None:
                 else:
                     live.append(matcher)
                     rows.append(index)
-            fill.batch_fill_next_token_bitmask(live, view, indices=rows)
+            if live:
+                fill.batch_fill_next_token_bitmask(live, view, indices=rows)
             conn.send(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - the scheduler stops using the pool
             conn.send(f"{type(exc).__name__}: {exc}")

@@ -586,25 +586,23 @@ class Scheduler:
         masks = self.engine.masks.view(half, len(_slots_of(batch, guided)))
         plain: list[Guide] = []  # rows without drafts: one parallel fill
         plain_slots: list[int] = []
-        skip = set(by_workers or ())
-        for i, slot in zip(guided, self._mask_starts(batch, guided)):
-            if i in skip:
-                continue
-            req = batch[i]
-            if self._allows_all(req):
-                masks[slot:slot + 1 + len(req.drafts)] = -1
-            elif req.drafts:
-                req.guide.fill_with_drafts(masks, slot, req.drafts)
-            else:
-                plain.append(req.guide)
-                plain_slots.append(slot)
-        if by_workers and not self.fill_pool.finish():  # the workers failed: theirs too
-            for i, slot in zip(guided, self._mask_starts(batch, guided)):
-                if i in skip and self._allows_all(batch[i]):
-                    masks[slot] = -1
-                elif i in skip:
-                    plain.append(batch[i].guide)
+
+        def write(rows: list[tuple[int, int]]) -> None:  # (batch index, first slot)
+            for i, slot in rows:
+                req = batch[i]
+                if self._allows_all(req):
+                    masks[slot:slot + 1 + len(req.drafts)] = -1
+                elif req.drafts:
+                    req.guide.fill_with_drafts(masks, slot, req.drafts)
+                else:
+                    plain.append(req.guide)
                     plain_slots.append(slot)
+
+        skip = set(by_workers or ())
+        rows = list(zip(guided, self._mask_starts(batch, guided)))
+        write([(i, slot) for i, slot in rows if i not in skip])
+        if skip and not self.fill_pool.finish():  # the workers failed: theirs too
+            write([(i, slot) for i, slot in rows if i in skip])
         if self.fill_pool is None or not self.fill_pool.fill(plain, half, len(masks),
                                                              plain_slots):
             fill_masks(plain, masks, plain_slots)
