@@ -7,8 +7,9 @@ logit first, then lower id", so one max reduction takes the next most likely tok
 value's and an id's, without the packing):
 
 1. grid (rows, chunks): per chunk of the vocabulary, its largest logit, the sum of
-   exp(logit - that max), and the keys of its `top` largest logits (`top` rounds of "take the
-   largest key, and drop it");
+   exp(logit - that max), and the keys of its `top` largest logits: `top` rounds of "take the
+   largest key, and drop it" over the maxima of the chunk's groups of 32 logits pick the `top`
+   groups that hold them, then `top` rounds over those groups' keys pick the keys;
 2. grid (rows,): the row's logsumexp from the chunk sums, and its `top` largest keys among the
    chunks' candidates, in the same order.
 
@@ -25,6 +26,7 @@ import triton.language as tl
 from kernels.sampling import row_chunk_mass, row_chunk_max
 
 NO_KEY = tl.constexpr(-(2**63))  # below every key: a dropped or padding candidate
+GROUP = 32  # logits per group of a chunk (see _chunk_top_kernel)
 
 
 @triton.jit
@@ -49,24 +51,43 @@ def _key_id(key):
 
 @triton.jit
 def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, cand_ptr, vocab, num_chunks, top,
-                      CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr, GROUP: tl.constexpr, TOP_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
-                other=float("-inf")).to(tl.float32)
-    key = _order_key(x, cols)
-    best = tl.max(key, 0)
+    start = tl.program_id(1) * CHUNK
+    row_ptr = logits_ptr + row * stride_row
+    # The chunk as [CHUNK // GROUP, GROUP]: each group's largest key in one pass.
+    groups = tl.arange(0, CHUNK // GROUP)
+    members = tl.arange(0, GROUP)
+    cols = start + groups[:, None] * GROUP + members[None, :]
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    group_best = tl.max(_order_key(x, cols), 1)
+    best = tl.max(group_best, 0)
     chunk_max = _key_logit(best)
-    mass = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 0)
-    out = row * num_chunks + chunk
+    mass = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 1), 0)
+    out = row * num_chunks + tl.program_id(1)
     tl.store(max_ptr + out, chunk_max)
     tl.store(sum_ptr + out, mass)
-    for j in range(top):
-        if j > 0:
+    if TOP_P2 > 0:
+        # The `top` largest keys lie in the `top` groups of largest maxima (a group holding
+        # one of them has a maximum at least as large), so rounds over the group maxima pick
+        # those groups, and the rounds over keys run on them alone.
+        slots = tl.arange(0, TOP_P2)
+        chosen = tl.full([TOP_P2], -1, tl.int32)
+        for j in range(top):
+            if j > 0:
+                group_best = tl.where(group_best == best, NO_KEY, group_best)
+                best = tl.max(group_best, 0)
+            group = (_key_id(best) - start) // GROUP
+            chosen = tl.where((slots == j) & (best != NO_KEY), group, chosen)
+        cols = start + chosen[:, None] * GROUP + members[None, :]
+        taken = (chosen >= 0)[:, None]
+        x = tl.load(row_ptr + cols, mask=taken & (cols < vocab),
+                    other=float("-inf")).to(tl.float32)
+        key = tl.where(taken, _order_key(x, cols), NO_KEY)
+        for j in range(top):
+            best = tl.max(tl.max(key, 1), 0)
+            tl.store(cand_ptr + out * top + j, best)
             key = tl.where(key == best, NO_KEY, key)
-            best = tl.max(key, 0)
-        tl.store(cand_ptr + out * top + j, best)
 
 
 @triton.jit
@@ -117,7 +138,8 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
     cand = torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device)
     _chunk_top_kernel[(rows, num_chunks)](
         logits, logits.stride(0), chunk_max, chunk_sum, cand, vocab, num_chunks, top,
-        CHUNK=chunk, num_warps=4)
+        CHUNK=chunk, GROUP=min(GROUP, chunk), TOP_P2=triton.next_power_of_2(top) if top else 0,
+        num_warps=4)
     _row_top_kernel[(rows,)](
         chunk_max, chunk_sum, cand, lse, top_lp, top_ids, top_lp.stride(0), num_chunks, top,
         CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),

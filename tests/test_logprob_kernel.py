@@ -28,6 +28,8 @@ def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtyp
     logits[3, :] = 0.5  # a flat row: every token ties, the lowest ids come first
     logits[4, 700:] = float("-inf")  # masked tokens have no mass
     logits[6, 3:] = float("-inf")  # fewer allowed tokens than `top`: then masked ones, once each
+    logits[5, 64:84] = torch.linspace(20, 10, 20)  # the most likely tokens in one group of 32
+    logits[1, 5:1300:61] = torch.linspace(20, 10, 22)  # ... each in a group of its own
     lse, top_lp, top_ids = logprob_stats(logits.to(device), top, chunk=CHUNK)
     expected = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     assert torch.allclose(lse.cpu(), torch.logsumexp(logits.float(), dim=-1), atol=1e-5)
