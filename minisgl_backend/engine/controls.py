@@ -86,8 +86,10 @@ class LogitControls:
         self.biased = np.zeros(num_rows, dtype=bool)
         self.banned = np.zeros(num_rows, dtype=bool)
         self.min_p_rows = np.zeros(num_rows, dtype=bool)
-        # any of the above, or log-probabilities or generation logits reported
-        self.active = np.zeros(num_rows, dtype=bool)
+        # any of the above: `apply` edits the rows' logits (and `record` counts penalized ones)
+        self.edited = np.zeros(num_rows, dtype=bool)
+        # log-probabilities or generation logits reported: the raw logits are read, not edited
+        self.reported = np.zeros(num_rows, dtype=bool)
         self.num_rows = num_rows
         # Device state, allocated on first use.
         self.counts: torch.Tensor | None = None  # [rows, vocab] int32: tokens generated
@@ -140,9 +142,9 @@ class LogitControls:
             self._clear(self.ban_tokens, rows[was_banned], -1)
         if len(msg.ban_rows):
             self._take_bans(msg)
-        self.active[rows] = (self.penalized[rows] | self.biased[rows] | self.banned[rows]
-                             | self.min_p_rows[rows] | (p["logprobs"][rows] >= 0)
-                             | (p["return_generation_logits"][rows] > 0))
+        self.edited[rows] = (self.penalized[rows] | self.biased[rows] | self.banned[rows]
+                             | self.min_p_rows[rows])
+        self.reported[rows] = (p["logprobs"][rows] >= 0) | (p["return_generation_logits"][rows] > 0)
 
     def _clear(self, table: torch.Tensor | None, rows: np.ndarray, value: int) -> None:
         if table is not None:

@@ -62,7 +62,7 @@ class StartedStep:
     logits: torch.Tensor  # [entries, vocab]
     next_positions: torch.Tensor  # position of the token each entry samples (device)
     seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
-    controlled: bool  # some row uses a logits control
+    edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
     raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
     logits_report: LogitsReport | None = None
 
@@ -285,13 +285,14 @@ class Engine:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
         step = StartedStep(msg, rows, batch, logits, next_positions,
                            np.asarray(batch.seq_lens, dtype=np.int64),
-                           controlled=bool(self.controls.active[rows].any()))  # one check
-        if self.reports and (step.controlled or batch.token_logits is not None):
+                           edited=bool(self.controls.edited[rows].any()))  # one check
+        reported = self.reports and bool(self.controls.reported[rows].any())
+        if reported or (self.reports and batch.token_logits is not None):
             step.logits_report = self._logits_report(logits, rows, msg, batch)
-        if step.controlled:
-            if self.reports:
-                step.raw_logprobs = self.controls.raw_logprobs(
-                    logits, rows, self.controls.changes_values(rows))
+        if reported:
+            step.raw_logprobs = self.controls.raw_logprobs(
+                logits, rows, step.edited and self.controls.changes_values(rows))
+        if step.edited:
             self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
         self._mask_early_stops(logits, rows, step.seq_lens)
         return step
@@ -325,7 +326,7 @@ class Engine:
                                                                 step.seq_lens))
         next_tokens = next_tokens.to(torch.int32)
         self.token_pool[batch.rows, step.next_positions] = next_tokens
-        if step.controlled:
+        if step.edited:
             self.controls.record(rows, batch.rows, next_tokens, step.seq_lens)
         report = (self.controls.report(step.raw_logprobs, rows, next_tokens)
                   if step.raw_logprobs is not None else None)
