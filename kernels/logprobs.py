@@ -8,8 +8,9 @@ value's and an id's, without the packing):
 
 1. grid (rows, chunks): per chunk of the vocabulary, its largest logit, the sum of
    exp(logit - that max), and the keys of its `top` largest logits: `top` rounds of "take the
-   largest key, and drop it" over the maxima of the chunk's groups of 32 logits pick the `top`
-   groups that hold them, then `top` rounds over those groups' keys pick the keys;
+   largest key, and drop it" over the keys of its groups of 32 logits (each group's largest
+   logit and its number) pick the `top` groups that hold them, then `top` rounds over those
+   groups' logits pick the keys;
 2. grid (rows,): the row's logsumexp from the chunk sums, and its `top` largest keys among the
    chunks' candidates, in the same order.
 
@@ -55,30 +56,29 @@ def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, cand_ptr, vocab,
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * CHUNK
     row_ptr = logits_ptr + row * stride_row
-    # The chunk as [CHUNK // GROUP, GROUP]: each group's largest key in one pass.
+    # The chunk as [CHUNK // GROUP, GROUP]: each group's largest logit in one pass.
     groups = tl.arange(0, CHUNK // GROUP)
     members = tl.arange(0, GROUP)
     cols = start + groups[:, None] * GROUP + members[None, :]
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    group_best = tl.max(_order_key(x, cols), 1)
-    best = tl.max(group_best, 0)
-    chunk_max = _key_logit(best)
+    group_max = tl.max(x, 1)
+    chunk_max = tl.max(group_max, 0)
     mass = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 1), 0)
     out = row * num_chunks + tl.program_id(1)
     tl.store(max_ptr + out, chunk_max)
     tl.store(sum_ptr + out, mass)
     if TOP_P2 > 0:
-        # The `top` largest keys lie in the `top` groups of largest maxima (a group holding
-        # one of them has a maximum at least as large), so rounds over the group maxima pick
-        # those groups, and the rounds over keys run on them alone.
+        # The `top` largest keys lie in the first `top` groups in the order "larger maximum,
+        # then lower group" (each group before the one holding a top key holds a larger key),
+        # so rounds over the groups' keys pick those groups, and the rounds over logits' keys
+        # run on them alone.
+        group_key = _order_key(group_max, groups)
         slots = tl.arange(0, TOP_P2)
         chosen = tl.full([TOP_P2], -1, tl.int32)
         for j in range(top):
-            if j > 0:
-                group_best = tl.where(group_best == best, NO_KEY, group_best)
-                best = tl.max(group_best, 0)
-            group = (_key_id(best) - start) // GROUP
-            chosen = tl.where((slots == j) & (best != NO_KEY), group, chosen)
+            best = tl.max(group_key, 0)
+            chosen = tl.where((slots == j) & (best != NO_KEY), _key_id(best), chosen)
+            group_key = tl.where(group_key == best, NO_KEY, group_key)
         cols = start + chosen[:, None] * GROUP + members[None, :]
         taken = (chosen >= 0)[:, None]
         x = tl.load(row_ptr + cols, mask=taken & (cols < vocab),

@@ -26,6 +26,7 @@ def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtyp
     logits = (torch.randn(7, VOCAB, generator=gen) * 4).to(dtype)
     logits[2, 1299] = 30.0  # the most likely token in the partial last chunk
     logits[3, :] = 0.5  # a flat row: every token ties, the lowest ids come first
+    logits[3, [300, 40, 7]] = 2.0  # ... after three equal maxima in different groups
     logits[4, 700:] = float("-inf")  # masked tokens have no mass
     logits[6, 3:] = float("-inf")  # fewer allowed tokens than `top`: then masked ones, once each
     logits[5, 64:84] = torch.linspace(20, 10, 20)  # the most likely tokens in one group of 32
@@ -47,7 +48,8 @@ def test_logprob_stats_equal_log_softmax_and_topk(device: str, dtype: torch.dtyp
     if dtype == torch.float32:  # distinct values: torch's ids, in its order
         for row in (0, 1, 2, 4, 5):
             assert top_ids[row].tolist() == want_ids[row].tolist()
-    assert top_ids[3].tolist() == list(range(top))
+    flat = [7, 40, 300] + [i for i in range(top + 3) if i not in (7, 40, 300)]
+    assert top_ids[3].tolist() == flat[:top]
     assert set(top_ids[6, :3].tolist()) <= {0, 1, 2}
     assert top_ids[6, 3:].tolist() == list(range(3, top))
     # A token's log-probability is its logit minus the logsumexp.

@@ -320,15 +320,16 @@ class Engine:
                               buffer.view(int(msg.mask_half[0]), len(msg.guide_rows)),
                               page_locked=buffer.page_locked)
         if self.row_greedy[rows].all():
-            next_tokens = torch.argmax(logits, dim=-1)
+            sampled = torch.argmax(logits, dim=-1)
         else:
-            next_tokens = sample(logits, self._sampling_tensors(rows, step.next_positions,
-                                                                step.seq_lens))
-        next_tokens = next_tokens.to(torch.int32)
+            sampled = sample(logits, self._sampling_tensors(rows, step.next_positions,
+                                                            step.seq_lens))
+        next_tokens = sampled.to(torch.int32)
         self.token_pool[batch.rows, step.next_positions] = next_tokens
+        # The controls index with the int64 ids as sampled: no cast back from int32.
         if step.edited:
-            self.controls.record(rows, batch.rows, next_tokens, step.seq_lens)
-        report = (self.controls.report(step.raw_logprobs, rows, next_tokens)
+            self.controls.record(rows, batch.rows, sampled, step.seq_lens)
+        report = (self.controls.report(step.raw_logprobs, rows, sampled)
                   if step.raw_logprobs is not None else None)
         host = None
         if self.device.type == "cuda":
