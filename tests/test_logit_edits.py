@@ -103,3 +103,18 @@ def test_the_engine_path_uses_the_kernels_on_a_gpu(device: str) -> None:
     controls.apply(logits, BATCH, torch.as_tensor(BATCH, device=device),
                    torch.full((len(BATCH),), NEXT, device=device), np.full(len(BATCH), NEXT))
     torch.testing.assert_close(logits.cpu(), _torch_path(original), rtol=0, atol=0)
+
+
+def test_rows_that_only_report_take_no_edit() -> None:
+    """Log-probabilities and generation logits read the raw logits: such rows are `reported`,
+    and only rows with an edit (here min_p) are `edited`, so `apply` and `record` skip the
+    others' steps."""
+    params = RowParams(ROWS)
+    controls = LogitControls(params, ROWS, VOCAB, torch.zeros(ROWS, POSITIONS, dtype=torch.int32))
+    rows = np.array([1, 4, 6, 7])
+    admit = {"logprobs": [2, -1, 0, -1], "return_generation_logits": [0, 1, 0, 0],
+             "min_p": [0.0, 0.0, 0.2, 0.0], "temperature": [1.0, 1.0, 1.0, 1.0]}
+    params.admit(rows, admit)
+    controls.admit(StepMessage(is_prefill=True, admit_rows=rows.tolist(), admit=admit))
+    assert controls.reported[rows].tolist() == [True, True, True, False]
+    assert controls.edited[rows].tolist() == [False, False, True, False]
