@@ -9,7 +9,10 @@
 3. Sampling (temperature 0.6, no top-k / top-p) from the model's bf16 logits: the Triton
    kernels next to the torch path (which first makes a float32 copy), per vocabulary and batch
    size; log-probability statistics (the logsumexp and the 5 or 20 most likely tokens,
-   `kernels/logprobs.py`) next to torch's log_softmax and topk, the same way.
+   `kernels/logprobs.py`) next to torch's log_softmax and topk, the same way; and the host's
+   time per call of what a step launches around sampling (`--parts host`: small logits, so
+   the device idles and a loop's wall time is the host's; not in a graph, as the engine
+   launches them).
 4. The attention prologue (q/k norm for Qwen3, RoPE, KV store) per token count, with 1, 2, 4
    and 8 heads per program.
 5. A decoder layer's four projections at batch sizes up to 16, as the layer runs them (FlashInfer
@@ -50,7 +53,9 @@ SAMPLING_HEADER = ("vocab", "batch", "sampler", "us/call")
 LOGPROBS_HEADER = ("vocab", "batch", "top", "kernel", "us/call")
 PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
 GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s", "of copy bw")
-PARTS = ("attention", "silu", "sampling", "logprobs", "prologue", "gemv")
+HOST_HEADER = ("batch", "call", "host us/call")
+PARTS = ("attention", "silu", "sampling", "logprobs", "host", "prologue", "gemv")
+HOST_VOCAB = 4096  # small logits for the host part: the device idles between calls
 L2_DEFEAT_BYTES = 200 * 2**20
 
 
@@ -281,6 +286,61 @@ def bench_logprobs(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
+def host_seconds(fn: Callable[[], object], calls: int, device: torch.device,
+                 rounds: int = 5) -> float:
+    """The host's seconds per `fn()`: the best of `rounds` loops of `calls`, the device
+    synchronized before and after each (outside the timing)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return best
+
+
+def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    """Host time of a step's calls around sampling, through the engine's own entry points
+    (`LogitControls.raw_logprobs` and `report` for 5 log-probabilities per row)."""
+    import numpy as np
+
+    from kernels.sampling import sample_from_logits
+    from minisgl_backend.engine.controls import LogitControls, RowParams
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[list[str]] = []
+    for bs in args.batch_sizes:
+        logits = (torch.randn(bs, HOST_VOCAB, device=device) * 4).to(dtype)
+        batch = np.arange(bs)
+        params = RowParams(bs)
+        params.admit(batch, {"logprobs": np.full(bs, 5)})
+        controls = LogitControls(params, bs, HOST_VOCAB,
+                                 torch.zeros(bs, 2, dtype=torch.int32, device=device))
+        tokens = torch.randint(0, HOST_VOCAB, (bs,), device=device)
+        raw = controls.raw_logprobs(logits, batch, False)
+        assert raw is not None
+        temperature = torch.full((bs,), 0.6, device=device)
+        top_k = torch.full((bs,), -1, dtype=torch.int32, device=device)
+        uniform = torch.rand(bs, device=device, dtype=torch.float64)
+        calls: dict[str, Callable[[], object]] = {
+            "torch.empty": lambda: torch.empty(bs, 11, device=device),
+            "argmax": lambda: torch.argmax(logits, dim=-1),
+            "sample_from_logits": lambda: sample_from_logits(logits, temperature, top_k,
+                                                             uniform),
+            "LogitControls.raw_logprobs": lambda: controls.raw_logprobs(logits, batch, False),
+            "LogitControls.report": lambda: controls.report(raw, batch, tokens)}
+        for name, fn in calls.items():
+            seconds = host_seconds(fn, args.calls * args.replays, device)
+            rows.append([str(bs), name, f"{seconds * 1e6:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
 # ----- attention prologue -----------------------------------------------------------------------
 
 
@@ -421,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     if "logprobs" in args.parts:
         tables.append(("Log-probability statistics (model-dtype logits)", LOGPROBS_HEADER,
                        bench_logprobs(args, device)))
+    if "host" in args.parts:
+        tables.append(("Host time of a step's calls around sampling (small logits)",
+                       HOST_HEADER, bench_host(args, device)))
     if "prologue" in args.parts:
         tables.append(("Attention prologue (q/k norm for Qwen3, RoPE, KV store)",
                        PROLOGUE_HEADER, bench_prologue(args, device)))
