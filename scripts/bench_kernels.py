@@ -56,6 +56,7 @@ GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s"
 HOST_HEADER = ("batch", "call", "host us/call")
 PARTS = ("attention", "silu", "sampling", "logprobs", "host", "prologue", "gemv")
 HOST_VOCAB = 4096  # small logits for the host part: the device idles between calls
+HOST_LOGPROBS = 5  # log-probabilities per row in the host part
 L2_DEFEAT_BYTES = 200 * 2**20
 
 
@@ -306,19 +307,21 @@ def host_seconds(fn: Callable[[], object], calls: int, device: torch.device,
 
 def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
     """Host time of a step's calls around sampling, through the engine's own entry points
-    (`LogitControls.raw_logprobs` and `report` for 5 log-probabilities per row)."""
+    (`LogitControls.raw_logprobs` and `report` for HOST_LOGPROBS per row)."""
     import numpy as np
 
     from kernels.sampling import sample_from_logits
     from minisgl_backend.engine.controls import LogitControls, RowParams
+    from minisgl_backend.engine.protocol import LogprobColumns
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    width = LogprobColumns(HOST_LOGPROBS).width
     rows: list[list[str]] = []
     for bs in args.batch_sizes:
         logits = (torch.randn(bs, HOST_VOCAB, device=device) * 4).to(dtype)
         batch = np.arange(bs)
         params = RowParams(bs)
-        params.admit(batch, {"logprobs": np.full(bs, 5)})
+        params.admit(batch, {"logprobs": np.full(bs, HOST_LOGPROBS)})
         controls = LogitControls(params, bs, HOST_VOCAB,
                                  torch.zeros(bs, 2, dtype=torch.int32, device=device))
         tokens = torch.randint(0, HOST_VOCAB, (bs,), device=device)
@@ -328,7 +331,7 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
         top_k = torch.full((bs,), -1, dtype=torch.int32, device=device)
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
         calls: dict[str, Callable[[], object]] = {
-            "torch.empty": lambda: torch.empty(bs, 11, device=device),
+            "torch.empty": lambda: torch.empty(bs, width, device=device),  # the step's table
             "argmax": lambda: torch.argmax(logits, dim=-1),
             "sample_from_logits": lambda: sample_from_logits(logits, temperature, top_k,
                                                              uniform),
