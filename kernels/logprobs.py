@@ -12,13 +12,16 @@ value's and an id's, without the packing):
    logit and its number) pick the `top` groups that hold them, then `top` rounds over those
    groups' logits pick the keys;
 2. grid (rows,): the row's logsumexp from the chunk sums, and its `top` largest keys among the
-   chunks' candidates, in the same order.
+   chunks' candidates, in the same order; given the sampled tokens, also their
+   log-probabilities (once sampling is done, when it sampled from these logits unchanged).
 
 A token's log-probability is then its logit minus the row's logsumexp, as
 torch.log_softmax(dtype=float32) computes it (the sums may round differently).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -92,12 +95,18 @@ def _chunk_top_kernel(logits_ptr, stride_row, max_ptr, sum_ptr, cand_ptr, vocab,
 
 @triton.jit
 def _row_top_kernel(max_ptr, sum_ptr, cand_ptr, lse_ptr, out_val_ptr, out_id_ptr, out_stride,
-                    num_chunks, top, CHUNKS_P2: tl.constexpr, CANDS_P2: tl.constexpr):
+                    num_chunks, top, logits_ptr, stride_row, token_ptr, token_out_ptr,
+                    token_out_stride, CHUNKS_P2: tl.constexpr, CANDS_P2: tl.constexpr,
+                    SAMPLED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
     mass = row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max)
     lse = row_max + tl.log(tl.sum(mass, 0))
     tl.store(lse_ptr + row, lse)
+    if SAMPLED:
+        token = tl.load(token_ptr + row).to(tl.int64)
+        logit = tl.load(logits_ptr + row * stride_row + token).to(tl.float32)
+        tl.store(token_out_ptr + row * token_out_stride, logit - lse)
     # The chunks' candidates: the row's [chunks, top] keys, padded to CANDS_P2.
     slots = tl.arange(0, CANDS_P2)
     cand = tl.load(cand_ptr + row * num_chunks * top + slots, mask=slots < num_chunks * top,
@@ -109,19 +118,45 @@ def _row_top_kernel(max_ptr, sum_ptr, cand_ptr, lse_ptr, out_val_ptr, out_id_ptr
         cand = tl.where(cand == best, NO_KEY, cand)
 
 
+@dataclass
+class LogprobScratch:
+    """The kernels' working memory for `rows` rows of `vocab` logits and `top` tokens: one
+    allocation a batch shape instead of four a call (a caller keeps it between steps; calls on
+    one stream may share it)."""
+
+    lse: torch.Tensor  # float32 [rows]
+    chunk_max: torch.Tensor  # float32 [rows, chunks]
+    chunk_sum: torch.Tensor  # float32 [rows, chunks]
+    cand: torch.Tensor  # int64 [rows, chunks, max(top, 1)]
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, top: int, device: torch.device,
+                 chunk: int = 4096) -> LogprobScratch:
+        num_chunks = triton.cdiv(vocab, chunk)
+        return cls(torch.empty(rows, dtype=torch.float32, device=device),
+                   torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
+                   torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
+                   torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device))
+
+
 def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  scratch: LogprobScratch | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of `logits` [rows, vocab] (any float dtype): each row's logsumexp (float32 [rows]) and
     its `top` most likely tokens' log-probabilities (float32 [rows, top], descending; equal
     ones lowest id first) and ids (int32 [rows, top]: what the step's reply carries). `out`:
     where to write the last two (views with one row stride and unit column stride, e.g.
-    columns of one table)."""
+    columns of one table). `sampled`: (token ids [rows], a float32 [rows] view) to write each
+    row's token's log-probability into. `scratch`: working memory of this shape and `chunk`
+    (`LogprobScratch.allocate`), whose `lse` is returned."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
-    lse = torch.empty(rows, dtype=torch.float32, device=device)
+    if scratch is None:
+        scratch = LogprobScratch.allocate(rows, vocab, top, device, chunk)
     if out is None:
         top_lp = torch.empty(rows, top, dtype=torch.float32, device=device)
         top_ids = torch.empty(rows, top, dtype=torch.int32, device=device)
@@ -131,17 +166,19 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
         assert top_lp.shape == top_ids.shape == (rows, top)
         assert top_lp.stride() == top_ids.stride() and (top <= 1 or top_lp.stride(1) == 1)
     if rows == 0:
-        return lse, top_lp, top_ids
-    num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
-    chunk_sum = torch.empty_like(chunk_max)
-    cand = torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device)
+        return scratch.lse, top_lp, top_ids
+    num_chunks = scratch.chunk_max.shape[1]
+    assert scratch.cand.shape == (rows, num_chunks, max(top, 1)) and \
+        num_chunks == triton.cdiv(vocab, chunk), "scratch of another shape"
+    tokens, token_out = sampled if sampled is not None else (scratch.lse, scratch.lse)
     _chunk_top_kernel[(rows, num_chunks)](
-        logits, logits.stride(0), chunk_max, chunk_sum, cand, vocab, num_chunks, top,
-        CHUNK=chunk, GROUP=min(GROUP, chunk), TOP_P2=triton.next_power_of_2(top) if top else 0,
-        num_warps=4)
+        logits, logits.stride(0), scratch.chunk_max, scratch.chunk_sum, scratch.cand, vocab,
+        num_chunks, top, CHUNK=chunk, GROUP=min(GROUP, chunk),
+        TOP_P2=triton.next_power_of_2(top) if top else 0, num_warps=4)
     _row_top_kernel[(rows,)](
-        chunk_max, chunk_sum, cand, lse, top_lp, top_ids, top_lp.stride(0), num_chunks, top,
-        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
-        CANDS_P2=max(2, triton.next_power_of_2(num_chunks * max(top, 1))), num_warps=4)
-    return lse, top_lp, top_ids
+        scratch.chunk_max, scratch.chunk_sum, scratch.cand, scratch.lse, top_lp, top_ids,
+        top_lp.stride(0), num_chunks, top, logits, logits.stride(0), tokens, token_out,
+        token_out.stride(0), CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
+        CANDS_P2=max(2, triton.next_power_of_2(num_chunks * max(top, 1))),
+        SAMPLED=sampled is not None, num_warps=4)
+    return scratch.lse, top_lp, top_ids

@@ -22,10 +22,43 @@ import torch
 import triton
 import triton.language as tl
 
+# `minisgl_backend.engine.sampler.seeded_uniform`'s constants as int64 (its multipliers as
+# their residues below 2**31, so that no product overflows).
+_MASK32 = tl.constexpr(0xFFFFFFFF)
+_GOLDEN = tl.constexpr(0x9E3779B9)
+_MIX_M1 = tl.constexpr(0x85EBCA6B - (1 << 32))
+_MIX_M2 = tl.constexpr(0xC2B2AE35 - (1 << 32))
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * _MIX_M1) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * _MIX_M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _seeded_uniform(seed, position):
+    """`seeded_uniform(seed, position)` of one row (int64 scalars), bit for bit: float64."""
+    mask = tl.full((), _MASK32, tl.int64)
+    h = _mix32((seed & mask) ^ tl.full((), _GOLDEN, tl.int64))
+    h = _mix32(h ^ ((seed >> 32) & mask))
+    h = _mix32(h ^ (position & mask))
+    h = _mix32(h ^ ((position >> 32) & mask))
+    return (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+@triton.jit
+def _temperature(temperature_ptr, row):
+    """A row's temperature (stored in any float precision) in float32."""
+    return tl.load(temperature_ptr + row).to(tl.float32)
+
 
 @triton.jit
 def _is_greedy(temperature_ptr, top_k_ptr, row):
-    return (tl.load(temperature_ptr + row) <= 0) | (tl.load(top_k_ptr + row) == 1)
+    return (_temperature(temperature_ptr, row) <= 0) | (tl.load(top_k_ptr + row) == 1)
 
 
 @triton.jit
@@ -37,7 +70,7 @@ def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, max_
     x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
     if not _is_greedy(temperature_ptr, top_k_ptr, row):
-        x = x / tl.load(temperature_ptr + row)  # monotone: the argmax stays where it is
+        x = x / _temperature(temperature_ptr, row)  # monotone: the argmax stays where it is
     chunk_max = tl.max(x, 0)
     # -inf entries (padding, masked stop ids) add nothing, also in an all -inf chunk.
     mass = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 0)
@@ -66,9 +99,9 @@ def row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max):
 
 
 @triton.jit
-def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, max_ptr,
-                 argmax_ptr, sum_ptr, out_ptr, vocab, num_chunks, CHUNK: tl.constexpr,
-                 CHUNKS_P2: tl.constexpr):
+def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, seed_ptr,
+                 position_ptr, max_ptr, argmax_ptr, sum_ptr, out_ptr, vocab, num_chunks,
+                 CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, HASHED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
     if _is_greedy(temperature_ptr, top_k_ptr, row):
@@ -77,8 +110,12 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr
     else:
         mass = row_chunk_mass(sum_ptr, row, num_chunks, chunks, chunk_max, row_max)
         cdf = tl.cumsum(mass, 0)
-        target = (tl.load(uniform_ptr + row).to(tl.float64) * tl.sum(mass, 0).to(tl.float64)
-                  ).to(tl.float32)
+        if HASHED:
+            uniform = _seeded_uniform(tl.load(seed_ptr + row).to(tl.int64),
+                                      tl.load(position_ptr + row).to(tl.int64))
+        else:
+            uniform = tl.load(uniform_ptr + row).to(tl.float64)
+        target = (uniform * tl.sum(mass, 0).to(tl.float64)).to(tl.float32)
         # The chunk the target falls in; past the end (rounding): the last chunk with mass.
         chosen = tl.min(tl.where(cdf > target, chunks, CHUNKS_P2), 0)
         last = tl.max(tl.where(mass > 0, chunks, 0), 0)
@@ -87,7 +124,7 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr
         cols = chosen * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab,
                     other=float("-inf")).to(tl.float32)
-        x = x / tl.load(temperature_ptr + row)
+        x = x / _temperature(temperature_ptr, row)
         p = tl.where(x == float("-inf"), 0.0, tl.exp(x - row_max))
         token_cdf = before + tl.cumsum(p, 0)
         pick = tl.min(tl.where(token_cdf > target, cols, vocab), 0)
@@ -97,13 +134,19 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       uniform: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+                       uniform: torch.Tensor | None = None, chunk: int = 4096, *,
+                       seed: torch.Tensor | None = None,
+                       position: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row of `logits` [bs, vocab] (int64 [bs]).
 
-    temperature [bs] (<= 0: greedy), top_k [bs] (only 1 is looked at: greedy), uniform [bs]
-    in (0, 1): the row's draw for the inverse CDF. `chunk`: vocabulary entries per program
-    (a power of two).
+    temperature [bs] (any float dtype; <= 0: greedy), top_k [bs] (only 1 is looked at:
+    greedy), and the row's draw in (0, 1) for the inverse CDF: `uniform` [bs], or computed in
+    the kernel as `seeded_uniform(seed, position)` of int64 `seed` and `position` [bs] (no
+    host work a step). `chunk`: vocabulary entries per program (a power of two).
     """
+    hashed = uniform is None
+    if hashed == (seed is None or position is None):
+        raise ValueError("sample_from_logits takes either uniform or seed and position")
     bs, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -114,12 +157,13 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     chunk_max = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_sum = torch.empty_like(chunk_max)
     chunk_argmax = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
-    temperature, top_k, uniform = temperature.contiguous(), top_k.contiguous(), uniform.contiguous()
+    draws = (seed, position) if hashed else (uniform, uniform)
+    temperature, top_k, *draws = (t.contiguous() for t in (temperature, top_k, *draws))
     _chunk_stats_kernel[(bs, num_chunks)](
         logits, logits.stride(0), temperature, top_k, chunk_max, chunk_argmax, chunk_sum, vocab,
         num_chunks, CHUNK=chunk, num_warps=4)
     _pick_kernel[(bs,)](
-        logits, logits.stride(0), temperature, top_k, uniform, chunk_max, chunk_argmax,
-        chunk_sum, out, vocab, num_chunks, CHUNK=chunk,
-        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)), num_warps=4)
+        logits, logits.stride(0), temperature, top_k, draws[0], draws[0], draws[1], chunk_max,
+        chunk_argmax, chunk_sum, out, vocab, num_chunks, CHUNK=chunk,
+        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)), HASHED=hashed, num_warps=4)
     return out

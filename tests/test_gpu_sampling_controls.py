@@ -243,14 +243,16 @@ def test_logprobs_equal_hf_log_softmax(engine: LLM, hf: torch.nn.Module) -> None
             check_logprobs(out, hf_log_softmax(hf, prompt, out.token_ids), p.logprobs)
 
 
-@pytest.mark.parametrize("edits", ["masks", "bias", "penalty"])
+@pytest.mark.parametrize("edits", ["none", "masks", "bias", "penalty"])
 def test_logprobs_of_every_row_equal_hf(engine: LLM, hf: torch.nn.Module, edits: str) -> None:
     """Every row of the batch asks: the sampled tokens' log-probabilities are read from the
     step's logits after sampling, which must then be a copy of the raw ones when a control
     changes a logit's value in place (a bias, a penalty), and need not be when controls only
-    mask tokens that cannot be sampled (bans, min_tokens)."""
+    mask tokens that cannot be sampled (bans, min_tokens). Without any, every
+    log-probability is taken after sampling (`LogitControls.sampled_logprobs`)."""
     prompts = mixed_prompts(3, seed=5)
-    extra = {"masks": {"min_tokens": MAX_TOKENS, "stop_token_ids": [3, 4],
+    extra = {"none": {},
+             "masks": {"min_tokens": MAX_TOKENS, "stop_token_ids": [3, 4],
                        "bad_token_ids": [[9]]},
              "bias": {"logit_bias": {7: 6.0}},
              "penalty": {"repetition_penalty": 0.5}}[edits]

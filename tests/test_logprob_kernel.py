@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.logprobs import _row_top_kernel, logprob_stats
-from minisgl_backend.engine.protocol import LogprobColumns, StepReply, decode
+from kernels.logprobs import LogprobScratch, _row_top_kernel, logprob_stats
+from minisgl_backend.engine.controls import LogitControls, RowParams
+from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, decode
 from tests.kernel_targets import devices
 
 # The interpreter's numpy warns about -inf - -inf in the branch that tl.where then discards.
@@ -87,3 +88,67 @@ def test_logprob_stats_write_into_the_steps_table(device: str, top: int) -> None
     assert sorted(read) == [0, 2, 3, 5]
     token, ids, values = read[2]
     assert token == 7.0 and ids == want_ids[1].tolist() and values == want_lp[1].tolist()
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top", [0, 4])
+def test_logprob_stats_fill_the_sampled_tokens_column(device: str, dtype: torch.dtype,
+                                                      top: int) -> None:
+    """`sampled`: each row's token's log-probability into the table's token column (the
+    logits as sampling read them); `scratch`, kept between calls, changes nothing."""
+    logits = (torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    logits[1, 900:] = float("-inf")
+    tokens = torch.tensor([0, 899, 1299, 256, 17])
+    cols = LogprobColumns(top)
+    scratch = LogprobScratch.allocate(5, VOCAB, top, torch.device(device), chunk=CHUNK)
+    want = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    for _ in range(2):
+        table = torch.full((5, cols.width), 7.0, device=device)
+        lse, _, _ = logprob_stats(
+            logits.to(device), top, chunk=CHUNK, scratch=scratch,
+            out=(table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)),
+            sampled=(tokens.to(device, torch.int32), table[:, cols.token]))
+        assert lse.data_ptr() == scratch.lse.data_ptr()
+        assert torch.allclose(table[:, cols.token].cpu(), want, atol=1e-5)
+        want_lse, want_lp, want_ids = logprob_stats(logits.to(device), top, chunk=CHUNK)
+        assert torch.equal(lse, want_lse)
+        assert torch.equal(table[:, cols.top_logprobs], want_lp)
+        assert torch.equal(table[:, cols.top_ids].view(torch.int32), want_ids)
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+def test_controls_take_log_probabilities_after_sampling(device: str) -> None:
+    """`LogitControls.sampled_logprobs` (on a GPU: the kernels writing the token column too,
+    with tables kept between steps) gives what `raw_logprobs` then `report` give, and what
+    log_softmax gives, for the rows that ask, over steps of changing batches."""
+    rows_total, vocab = 6, 700
+    params = RowParams(rows_total)
+    pool = torch.zeros(rows_total, 8, dtype=torch.int32, device=device)
+    controls = LogitControls(params, rows_total, vocab, pool)
+    admitted = np.arange(rows_total)
+    admit = {"logprobs": [2, -1, 5, 0, -1, 3]}
+    params.admit(admitted, admit)
+    controls.admit(StepMessage(is_prefill=True, admit_rows=admitted.tolist(), admit=admit))
+    gen = torch.Generator().manual_seed(5)
+    for batch in ([0, 1, 2, 3, 4, 5], [5, 2, 0], [0, 2, 3], [5, 2, 0]):
+        rows = np.asarray(batch)
+        logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
+        tokens = torch.randint(0, vocab, (len(rows),), generator=gen).to(device)
+        got = controls.sampled_logprobs(logits, rows, tokens)
+        raw = controls.raw_logprobs(logits, rows, False)
+        assert got is not None and raw is not None
+        two_steps = controls.report(raw, rows, tokens)
+        wanted = np.nonzero(params["logprobs"][rows] >= 0)[0]
+        assert got.batch_rows.tolist() == two_steps.batch_rows.tolist() == wanted.tolist()
+        torch.testing.assert_close(got.table.cpu(), two_steps.table.cpu(), rtol=0, atol=1e-5)
+        cols = LogprobColumns.of_width(got.table.shape[1])
+        assert cols.top == int(params["logprobs"][rows[wanted]].max())
+        expected = torch.log_softmax(logits.cpu()[wanted], dim=-1)
+        table = got.table.cpu()
+        assert torch.allclose(table[:, cols.token],
+                              expected.gather(1, tokens.cpu()[wanted].unsqueeze(1)).squeeze(1),
+                              atol=1e-5)
+        assert torch.allclose(table[:, cols.top_logprobs], expected.topk(cols.top).values,
+                              atol=1e-5)
+    assert controls.sampled_logprobs(logits, np.array([1, 4]), tokens[:2]) is None

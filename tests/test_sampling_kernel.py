@@ -14,7 +14,7 @@ import torch
 
 from kernels import is_interpreted
 from kernels.sampling import _pick_kernel, sample_from_logits
-from minisgl_backend.engine.sampler import make_sampling_tensors, sample
+from minisgl_backend.engine.sampler import make_sampling_tensors, sample, seeded_uniform_host
 
 INTERPRETED = is_interpreted(_pick_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -100,6 +100,38 @@ def test_greedy_rows_take_the_first_largest_logit(device: str) -> None:
                              chunk=CHUNK)
     assert ids.cpu().tolist() == torch.argmax(logits, dim=-1).tolist()
     assert ids.cpu().tolist()[:2] == [10, 100]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draws_from_seed_and_position_equal_the_hosts(device: str) -> None:
+    """Given seeds and positions, the kernel draws `seeded_uniform` itself, bit for bit: the
+    same ids as with the host's draws, over seeds of all 64 bits (negative int64 patterns)
+    and positions past 2**32; float64 temperatures sample as their float32 values."""
+    bs = 48
+    logits = _logits(bs, seed=6) * 0.3  # flat rows: a different draw picks another token
+    rng = np.random.default_rng(7)
+    seeds = rng.integers(-(2**63), 2**63 - 1, bs, dtype=np.int64)
+    positions = rng.integers(0, 2**34, bs, dtype=np.int64)
+    temperature = torch.tensor(rng.uniform(0.5, 1.5, bs), dtype=torch.float64)
+    temperature[::8] = 0.0  # greedy rows too
+    top_k = torch.full((bs,), -1, device=device)
+    uniform = torch.from_numpy(seeded_uniform_host(seeds, positions))
+    want = sample_from_logits(logits.to(device), temperature.float().to(device), top_k,
+                              uniform.to(device), chunk=CHUNK)
+    got = sample_from_logits(logits.to(device), temperature.to(device), top_k, chunk=CHUNK,
+                             seed=torch.from_numpy(seeds).to(device),
+                             position=torch.from_numpy(positions).to(device))
+    assert got.tolist() == want.tolist()
+    # The draws decide: one position later, the sampled rows pick other tokens.
+    later = sample_from_logits(logits.to(device), temperature.to(device), top_k, chunk=CHUNK,
+                               seed=torch.from_numpy(seeds).to(device),
+                               position=torch.from_numpy(positions + 1).to(device))
+    changed = (later != got).cpu()
+    assert not changed[::8].any() and changed.sum() > bs // 2
+    with pytest.raises(ValueError, match="either uniform or seed and position"):
+        sample_from_logits(logits.to(device), temperature.to(device), top_k, uniform.to(device),
+                           seed=torch.from_numpy(seeds).to(device),
+                           position=torch.from_numpy(positions).to(device))
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES, penalties_active
 from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, ranges
 from minisgl_backend.layers.fast_ops import use_triton_kernels
+
+if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
+    from kernels.logprobs import LogprobScratch
 
 
 class RowParams:
@@ -70,6 +73,26 @@ class RawLogprobs:
     table: torch.Tensor  # [m, LogprobColumns.width] float32: the top columns filled
 
 
+@dataclass
+class _LogprobBuffers:
+    """A log-probability table of one batch shape with its views, and the kernels' working
+    memory (`kernels.logprobs.LogprobScratch`), made once: each view costs the host a call."""
+
+    table: torch.Tensor  # [rows, LogprobColumns(top).width] float32
+    top: tuple[torch.Tensor, torch.Tensor]  # its top log-probabilities' and ids' columns
+    token: torch.Tensor  # its sampled token's column
+    scratch: LogprobScratch
+
+    @classmethod
+    def allocate(cls, rows: int, top: int, vocab: int, device: torch.device) -> _LogprobBuffers:
+        from kernels.logprobs import LogprobScratch
+
+        cols = LogprobColumns(top)
+        table = torch.empty(rows, cols.width, dtype=torch.float32, device=device)
+        return cls(table, (table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)),
+                   table[:, cols.token], LogprobScratch.allocate(rows, vocab, top, device))
+
+
 class LogitControls:
     """The controls of one engine. `apply` edits a step's logits in place before sampling;
     `record` updates the penalty counts from the sampled tokens."""
@@ -103,6 +126,7 @@ class LogitControls:
         # the batch's rows: decode steps of an unchanged batch upload nothing. Admissions
         # change the rows' settings, so they clear it.
         self._uploads: dict[tuple[str, bytes], torch.Tensor] = {}
+        self._lp_buffers: dict[tuple[int, int], _LogprobBuffers] = {}  # (rows, top)
 
     def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -232,39 +256,83 @@ class LogitControls:
                      changed: bool) -> RawLogprobs | None:
         """What the rows reporting log-probabilities need of the raw logits, taken before any
         control changes them (`changed`: `changes_values`, so the sampled tokens' raw logits
-        must be copied now); None if no row asks."""
-        wanted = np.nonzero(self.params["logprobs"][rows] >= 0)[0]
-        if len(wanted) == 0:
+        must be copied now); None if no row asks. `report` completes it after sampling."""
+        reporting = self._reporting(logits, rows)
+        if reporting is None:
             return None
-        sel = logits if len(wanted) == len(rows) else logits[
-            self._upload("logprob rows", rows, lambda: wanted)]
-        cols = LogprobColumns(int(self.params["logprobs"][rows[wanted]].max()))
-        table = torch.empty(len(wanted), cols.width, dtype=torch.float32, device=logits.device)
-        top_lp, top_ids = table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)
+        wanted, sel, top = reporting
         if not _kernels_edit(sel):
+            cols = LogprobColumns(top)
+            table = torch.empty(len(wanted), cols.width, dtype=torch.float32, device=sel.device)
+            top_lp, top_ids = table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)
             logprobs = torch.log_softmax(sel, dim=-1, dtype=torch.float32)
-            top_lp[:], top_ids[:] = logprobs.topk(cols.top, dim=-1)
+            top_lp[:], top_ids[:] = logprobs.topk(top, dim=-1)
             return RawLogprobs(wanted, logprobs, None, table)
         from kernels.logprobs import logprob_stats
 
-        lse, _, _ = logprob_stats(sel, cols.top, out=(top_lp, top_ids))
+        buffers = self._logprob_buffers(len(wanted), top)
+        lse, _, _ = logprob_stats(sel, top, out=buffers.top, scratch=buffers.scratch)
         # The sampled tokens' raw logits are read after sampling: a copy if a control
         # changes `logits` first (the selection of some rows is one already).
         raw = sel.clone() if changed and sel is logits else sel
-        return RawLogprobs(wanted, raw, lse, table)
+        return RawLogprobs(wanted, raw, lse, buffers.table)
 
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
         """The sampled tokens' log-probabilities next to the top alternatives of `raw`."""
         wanted = raw.batch_rows
-        sel_tokens = tokens if len(wanted) == len(rows) else tokens[
-            self._upload("logprob rows", rows, lambda: wanted)]
-        picked = raw.values.gather(1, sel_tokens.long().unsqueeze(1)).squeeze(1)
+        picked = raw.values.gather(1, self._wanted(tokens, rows, wanted).long().unsqueeze(1))
         column = raw.table[:, LogprobColumns.token]
         if raw.lse is not None:
-            torch.sub(picked, raw.lse, out=column)
+            torch.sub(picked.squeeze(1), raw.lse, out=column)
         else:
-            column.copy_(picked)
+            column.copy_(picked.squeeze(1))
         return LogprobReport(wanted, raw.table)
+
+    def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
+                         tokens: torch.Tensor) -> LogprobReport | None:
+        """`raw_logprobs` and `report` in one go, after sampling, for a step whose logits
+        reached sampling unchanged (no control edited them, no mask): on a GPU the kernels
+        then write the sampled tokens' column too. None if no row asks."""
+        if not _kernels_edit(logits):
+            raw = self.raw_logprobs(logits, rows, False)
+            return self.report(raw, rows, tokens) if raw is not None else None
+        reporting = self._reporting(logits, rows)
+        if reporting is None:
+            return None
+        from kernels.logprobs import logprob_stats
+
+        wanted, sel, top = reporting
+        buffers = self._logprob_buffers(len(wanted), top)
+        logprob_stats(sel, top, out=buffers.top, scratch=buffers.scratch,
+                      sampled=(self._wanted(tokens, rows, wanted), buffers.token))
+        return LogprobReport(wanted, buffers.table)
+
+    def _reporting(self, logits: torch.Tensor, rows: np.ndarray
+                   ) -> tuple[np.ndarray, torch.Tensor, int] | None:
+        """The batch indices of the rows that report log-probabilities, their logits and the
+        most top tokens one asks for; None if no row asks."""
+        logprobs = self.params["logprobs"][rows]
+        wanted = np.nonzero(logprobs >= 0)[0]
+        if len(wanted) == 0:
+            return None
+        return wanted, self._wanted(logits, rows, wanted), int(logprobs[wanted].max())
+
+    def _wanted(self, values: torch.Tensor, rows: np.ndarray, wanted: np.ndarray) -> torch.Tensor:
+        """The entries of `values` (one per batch row) of the rows that report."""
+        return values if len(wanted) == len(rows) else values[
+            self._upload("logprob rows", rows, lambda: wanted)]
+
+    def _logprob_buffers(self, rows: int, top: int) -> _LogprobBuffers:
+        """The kernels' table and working memory for `rows` rows and `top` tokens, kept between
+        steps (the steps run in order on one stream: a step's table is copied to the host
+        before the next step writes it)."""
+        buffers = self._lp_buffers.get((rows, top))
+        if buffers is None:
+            if len(self._lp_buffers) >= 64:  # many batch shapes in a row: start over
+                self._lp_buffers.clear()
+            buffers = self._lp_buffers[(rows, top)] = _LogprobBuffers.allocate(
+                rows, top, self.vocab_size, self.device)
+        return buffers
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
               next_positions: torch.Tensor, seq_lens: np.ndarray) -> None:

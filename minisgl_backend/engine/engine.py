@@ -25,7 +25,12 @@ from minisgl_backend.engine.controls import LogitControls, LogprobReport, RawLog
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
-from minisgl_backend.engine.sampler import SamplingTensors, sample, seeded_uniform_host
+from minisgl_backend.engine.sampler import (
+    SamplingTensors,
+    sample,
+    samples_in_kernel,
+    seeded_uniform_host,
+)
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
@@ -64,6 +69,8 @@ class StartedStep:
     seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
     edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
     raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
+    # Log-probabilities taken after sampling, from the logits sampling read (none changed).
+    sampled_logprobs: bool = False
     logits_report: LogitsReport | None = None
 
 
@@ -289,12 +296,17 @@ class Engine:
         reported = self.reports and bool(self.controls.reported[rows].any())
         if reported or (self.reports and batch.token_logits is not None):
             step.logits_report = self._logits_report(logits, rows, msg, batch)
+        early_stops = np.nonzero(self.row_min_len[rows] > step.seq_lens)[0]
         if reported:
-            step.raw_logprobs = self.controls.raw_logprobs(
-                logits, rows, step.edited and self.controls.changes_values(rows))
+            # Unless something changes the logits before sampling, the log-probabilities wait
+            # until after it (`finish`), where the kernels also fill the sampled tokens' column.
+            step.sampled_logprobs = not (step.edited or len(msg.guide_rows) or len(early_stops))
+            if not step.sampled_logprobs:
+                step.raw_logprobs = self.controls.raw_logprobs(
+                    logits, rows, step.edited and self.controls.changes_values(rows))
         if step.edited:
             self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
-        self._mask_early_stops(logits, rows, step.seq_lens)
+        self._mask_early_stops(logits, rows, early_stops)
         return step
 
     def attach_masks(self, buffer: MaskBuffer) -> None:
@@ -322,15 +334,18 @@ class Engine:
         if self.row_greedy[rows].all():
             sampled = torch.argmax(logits, dim=-1)
         else:
-            sampled = sample(logits, self._sampling_tensors(rows, step.next_positions,
+            sampled = sample(logits, self._sampling_tensors(logits, rows, step.next_positions,
                                                             step.seq_lens))
         next_tokens = sampled.to(torch.int32)
         self.token_pool[batch.rows, step.next_positions] = next_tokens
         # The controls index with the int64 ids as sampled: no cast back from int32.
         if step.edited:
             self.controls.record(rows, batch.rows, sampled, step.seq_lens)
-        report = (self.controls.report(step.raw_logprobs, rows, sampled)
-                  if step.raw_logprobs is not None else None)
+        report = None
+        if step.raw_logprobs is not None:
+            report = self.controls.report(step.raw_logprobs, rows, sampled)
+        elif step.sampled_logprobs:
+            report = self.controls.sampled_logprobs(logits, rows, sampled)
         host = None
         if self.device.type == "cuda":
             host = self._host_buffers[self.num_launched % 2]
@@ -386,9 +401,9 @@ class Engine:
             self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
-                          seq_lens: np.ndarray) -> None:
-        """Rows still below their min_tokens cannot sample a stop id (rare: a Python loop)."""
-        early = np.nonzero(self.row_min_len[rows] > seq_lens)[0]
+                          early: np.ndarray) -> None:
+        """Batch entries `early`, still below their rows' min_tokens, cannot sample a stop id
+        (rare: a Python loop)."""
         for i in early.tolist():
             logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 
@@ -482,19 +497,21 @@ class Engine:
             batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
         return batch
 
-    def _sampling_tensors(self, rows: np.ndarray, positions: torch.Tensor,
+    def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
                           host_positions: np.ndarray) -> SamplingTensors:
-        """The samples' parameters on the device. `positions` (device) and `host_positions`
-        are those of the tokens being sampled."""
-        dev = self.device
+        """The samples' parameters on the device, in one copy. `positions` (device) and
+        `host_positions` are those of the tokens being sampled."""
         p = self.row_params
-        uniform = seeded_uniform_host(p["seed"][rows], host_positions)
-        temperature, top_p, uniform = stack_to_device(
-            [p["temperature"][rows], p["top_p"][rows], uniform], dev, torch.float64)
-        top_k, seed = stack_to_device([p["top_k"][rows], p["seed"][rows]], dev)
+        greedy, filtered = self.row_greedy[rows], self.row_filtered[rows]
+        any_filtered = bool((filtered & ~greedy).any())
+        # One int64 copy: the float64 values travel as their bits.
+        host = [p["top_k"][rows], p["seed"][rows], p["temperature"][rows].view(np.int64),
+                p["top_p"][rows].view(np.int64)]
+        if not samples_in_kernel(logits, any_filtered):  # the torch path's uniform draws
+            host.append(seeded_uniform_host(p["seed"][rows], host_positions).view(np.int64))
+        top_k, seed, temperature, top_p, *uniform = stack_to_device(host, self.device)
         return SamplingTensors(
-            temperature=temperature.float(), top_k=top_k, top_p=top_p.float(), seed=seed,
-            position=positions, uniform=uniform,
-            all_greedy=bool(self.row_greedy[rows].all()),
-            any_filtered=bool((self.row_filtered[rows] & ~self.row_greedy[rows]).any()),
-        )
+            temperature=temperature.view(torch.float64), top_k=top_k,
+            top_p=top_p.view(torch.float64), seed=seed, position=positions,
+            uniform=uniform[0].view(torch.float64) if uniform else None,
+            all_greedy=bool(greedy.all()), any_filtered=any_filtered)

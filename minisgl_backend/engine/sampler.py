@@ -24,15 +24,16 @@ _UINT64_MASK = (1 << 64) - 1
 class SamplingTensors:
     """Per-row sampling parameters of a batch, already on the logits' device."""
 
-    temperature: torch.Tensor  # [bs] float32; 0 means greedy for that row
+    temperature: torch.Tensor  # [bs] float32 or float64; 0 means greedy for that row
     top_k: torch.Tensor  # [bs] int64; <= 0 or >= vocab means disabled
-    top_p: torch.Tensor  # [bs] float32 in (0, 1]
+    top_p: torch.Tensor  # [bs] float32 or float64 in (0, 1]
     seed: torch.Tensor  # [bs] int64 (a 64-bit unsigned seed stored as its int64 bit pattern)
     position: torch.Tensor  # [bs] int64: index in its sequence of the token being sampled
     all_greedy: bool  # fast path: every row greedy -> pure argmax, no randomness
     any_filtered: bool = True  # some row may use top-k / top-p (False skips the vocab sort)
     # seeded_uniform(seed, position), when computed on the host (`seeded_uniform_host`): one
-    # upload instead of ~40 small kernels per step.
+    # upload instead of ~40 small kernels per step on the torch path (the kernels of
+    # `samples_in_kernel` compute it themselves).
     uniform: torch.Tensor | None = None  # [bs] float64
 
 
@@ -179,16 +180,24 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """
     if params.all_greedy:
         return torch.argmax(logits, dim=-1)  # the same index in any precision of the logits
+    if samples_in_kernel(logits, params.any_filtered):
+        from kernels.sampling import sample_from_logits
+
+        if params.uniform is not None:
+            return sample_from_logits(logits, params.temperature, params.top_k, params.uniform)
+        return sample_from_logits(logits, params.temperature, params.top_k, seed=params.seed,
+                                  position=params.position)
     device = logits.device
     uniform = params.uniform
     if uniform is None:
         uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
-    if not params.any_filtered and use_triton_kernels(logits):
-        from kernels.sampling import sample_from_logits
+    return sample_with_torch(logits.float(), params, uniform.to(device))
 
-        return sample_from_logits(logits, params.temperature.to(device),
-                                  params.top_k.to(device), uniform.to(device))
-    return sample_with_torch(logits.float(), params, uniform)
+
+def samples_in_kernel(logits: torch.Tensor, any_filtered: bool) -> bool:
+    """`sample` takes the Triton kernels (`kernels.sampling`), which draw each row's uniform
+    number themselves, rather than the torch path: on a GPU, without top-k / top-p rows."""
+    return not any_filtered and use_triton_kernels(logits)
 
 
 def sample_with_torch(logits: torch.Tensor, params: SamplingTensors,
