@@ -259,6 +259,7 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
                                        [1] * bs, device)
         params.any_filtered = False
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
+        seeds, positions = torch.arange(bs, device=device), torch.full((bs,), 77, device=device)
         chunks = (1024, 2048, 4096, 8192) if args.sweep else (None,)
         samplers: dict[str, Callable[[], object]] = {
             "triton" + (f" chunk {c}" if c else ""): (
@@ -307,7 +308,8 @@ def host_seconds(fn: Callable[[], object], calls: int, device: torch.device,
 
 def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
     """Host time of a step's calls around sampling, through the engine's own entry points
-    (`LogitControls.raw_logprobs` and `report` for HOST_LOGPROBS per row)."""
+    (HOST_LOGPROBS per row: `LogitControls.sampled_logprobs` for a step whose logits no
+    control changes, `raw_logprobs` and `report` for one they do)."""
     import numpy as np
 
     from kernels.sampling import sample_from_logits
@@ -330,11 +332,16 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
         temperature = torch.full((bs,), 0.6, device=device)
         top_k = torch.full((bs,), -1, dtype=torch.int32, device=device)
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
+        seeds, positions = torch.arange(bs, device=device), torch.full((bs,), 77, device=device)
         calls: dict[str, Callable[[], object]] = {
             "torch.empty": lambda: torch.empty(bs, width, device=device),  # the step's table
             "argmax": lambda: torch.argmax(logits, dim=-1),
             "sample_from_logits": lambda: sample_from_logits(logits, temperature, top_k,
                                                              uniform),
+            "sample_from_logits seeded": lambda: sample_from_logits(
+                logits, temperature, top_k, seed=seeds, position=positions),
+            "LogitControls.sampled_logprobs": lambda: controls.sampled_logprobs(logits, batch,
+                                                                                tokens),
             "LogitControls.raw_logprobs": lambda: controls.raw_logprobs(logits, batch, False),
             "LogitControls.report": lambda: controls.report(raw, batch, tokens)}
         for name, fn in calls.items():

@@ -316,6 +316,8 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     header, rows = last_table(run.stdout.split("## Attention prologue")[0])
     assert header == ["batch", "call", "host us/call"]
     assert [row[1] for row in rows] == ["torch.empty", "argmax", "sample_from_logits",
+                                        "sample_from_logits seeded",
+                                        "LogitControls.sampled_logprobs",
                                         "LogitControls.raw_logprobs", "LogitControls.report"]
     assert all(number(r[2]) > 0 for r in rows)
     header, rows = last_table(run.stdout.split("## Host time")[0])
