@@ -259,7 +259,6 @@ def bench_sampling(args: argparse.Namespace, device: torch.device) -> list[list[
                                        [1] * bs, device)
         params.any_filtered = False
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
-        seeds, positions = torch.arange(bs, device=device), torch.full((bs,), 77, device=device)
         chunks = (1024, 2048, 4096, 8192) if args.sweep else (None,)
         samplers: dict[str, Callable[[], object]] = {
             "triton" + (f" chunk {c}" if c else ""): (

@@ -280,12 +280,13 @@ class LogitControls:
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
         """The sampled tokens' log-probabilities next to the top alternatives of `raw`."""
         wanted = raw.batch_rows
-        picked = raw.values.gather(1, self._wanted(tokens, rows, wanted).long().unsqueeze(1))
+        picked = raw.values.gather(
+            1, self._wanted(tokens, rows, wanted).long().unsqueeze(1)).squeeze(1)
         column = raw.table[:, LogprobColumns.token]
         if raw.lse is not None:
-            torch.sub(picked.squeeze(1), raw.lse, out=column)
+            torch.sub(picked, raw.lse, out=column)
         else:
-            column.copy_(picked.squeeze(1))
+            column.copy_(picked)
         return LogprobReport(wanted, raw.table)
 
     def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,

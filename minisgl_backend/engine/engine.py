@@ -504,11 +504,12 @@ class Engine:
         p = self.row_params
         greedy, filtered = self.row_greedy[rows], self.row_filtered[rows]
         any_filtered = bool((filtered & ~greedy).any())
+        seeds = p["seed"][rows]
         # One int64 copy: the float64 values travel as their bits.
-        host = [p["top_k"][rows], p["seed"][rows], p["temperature"][rows].view(np.int64),
+        host = [p["top_k"][rows], seeds, p["temperature"][rows].view(np.int64),
                 p["top_p"][rows].view(np.int64)]
         if not samples_in_kernel(logits, any_filtered):  # the torch path's uniform draws
-            host.append(seeded_uniform_host(p["seed"][rows], host_positions).view(np.int64))
+            host.append(seeded_uniform_host(seeds, host_positions).view(np.int64))
         top_k, seed, temperature, top_p, *uniform = stack_to_device(host, self.device)
         return SamplingTensors(
             temperature=temperature.view(torch.float64), top_k=top_k,
