@@ -1,21 +1,29 @@
-"""Logit bias, bad-word bans and min_p applied to a step's logits, one kernel each group.
+"""A step's logit edits (penalties, logit bias, bad-word bans, min_p) in two kernels.
 
-The torch path (`minisgl_backend.engine.controls`) spends about twenty small kernels a step on
-these: gathers of each row's tables, the bad-word context compare, scatters, and min_p's
-max/compare/fill. A decode step of a small model is a few of those long, so here:
+The torch path (`minisgl_backend.engine.controls`) spends about thirty small kernels a step on
+these: the penalized rows' counts and prompt mask gathered and ten element-wise passes, the
+bias tables gathered and scattered, the bad-word context compared, min_p's max, compare and
+fill. On a GPU each launch costs the engine's host thread 10-20 us, about as much as a small
+model's whole decode step can spare, so here:
 
-* `apply_sparse_edits`: one program per row adds the row's bias entries, then sets the last
-  token of every bad-word sequence whose prefix ends the row so far to -inf (the context is
-  read from the engine's token pool, as the torch path does);
-* `apply_min_p`: programs over (row, vocabulary chunk) find each chunk's largest logit, then
-  drop every logit below the row's `max + offset` (offset = temperature x log(min_p)) to
-  -inf: a program per row looping over the vocabulary waited on its loads about 75 us.
+* `apply_edits`: programs over (row, vocabulary chunk). Each reads its chunk once, applies the
+  row's penalties (from its generated-token counts and prompt mask) and writes it to the
+  output, which may be a copy (the raw logits then stay for log-probabilities). Then, within
+  its chunk, it adds the row's bias entries and sets to -inf the last token of every bad-word
+  sequence whose prefix ends the row so far (read from the engine's token pool). Last, for a
+  min_p row, it writes the chunk's largest edited logit.
+* `apply_min_p_floor`: a min_p row's logits below its largest plus `offset` (temperature x
+  log(min_p)) become -inf.
 
-The arithmetic is the torch path's: bias values are added in the logits' dtype, min_p compares
-in float32.
+The arithmetic is the torch path's: penalties in float32 (a seen token's positive logit
+divided by the repetition penalty, a negative one multiplied, then `frequency * count +
+presence * (count > 0)` subtracted), bias values rounded to the logits' dtype and added, the
+min_p compare in float32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,119 +31,159 @@ import triton.language as tl
 
 from kernels.sampling import row_chunk_max
 
-
-@triton.jit
-def _sparse_edits_kernel(logits_ptr, logits_stride, batch_rows_ptr, table_rows_ptr,
-                         next_pos_ptr, bias_ids_ptr, bias_values_ptr, bias_stride, bias_width,
-                         ban_ptr, ban_row_stride, ban_seqs, ban_len, pool_ptr, pool_stride,
-                         HAS_BIAS: tl.constexpr, HAS_BANS: tl.constexpr,
-                         BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_L: tl.constexpr):
-    i = tl.program_id(0)
-    b = tl.load(batch_rows_ptr + i).to(tl.int64)
-    r = tl.load(table_rows_ptr + i).to(tl.int64)
-    row = logits_ptr + b * logits_stride
-    if HAS_BIAS:
-        w = tl.arange(0, BLOCK_W)
-        ids = tl.load(bias_ids_ptr + r * bias_stride + w, mask=w < bias_width, other=0)
-        values = tl.load(bias_values_ptr + r * bias_stride + w, mask=w < bias_width, other=0.0)
-        # Padding entries (id 0, value 0) change nothing: leave them out, so that they never
-        # race with a real entry of id 0.
-        real = (w < bias_width) & (values != 0.0)
-        x = tl.load(row + ids, mask=real, other=0.0).to(tl.float32)
-        # The value rounded to the logits' dtype first, as the torch path adds it.
-        value = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(row + ids, (x + value).to(logits_ptr.dtype.element_ty), mask=real)
-        tl.debug_barrier()  # a ban of the same token comes after its bias
-    if HAS_BANS:
-        s = tl.arange(0, BLOCK_S)[:, None]
-        j = tl.arange(0, BLOCK_L)[None, :]
-        inside = (s < ban_seqs) & (j < ban_len)
-        table = tl.load(ban_ptr + r * ban_row_stride + s * ban_len + j, mask=inside, other=-1)
-        # Column j < ban_len - 1 of a sequence must equal the token at position
-        # next - (ban_len - 1) + j (-1: a shorter sequence, matches anything).
-        next_pos = tl.load(next_pos_ptr + i).to(tl.int64)
-        pos = next_pos - (ban_len - 1) + j
-        context = tl.load(pool_ptr + r * pool_stride + pos, mask=(pos >= 0) & (j < ban_len - 1),
-                          other=-2).to(tl.int64)
-        prefix_ok = (table == context) | (table < 0) | (j >= ban_len - 1)
-        hit = tl.min(prefix_ok.to(tl.int32), axis=1) > 0  # [BLOCK_S]
-        last = tl.sum(tl.where(j == ban_len - 1, table, 0), axis=1)
-        ban = hit & (last >= 0) & (tl.arange(0, BLOCK_S) < ban_seqs)
-        minus_inf = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        tl.store(row + tl.maximum(last, 0), minus_inf.to(logits_ptr.dtype.element_ty), mask=ban)
+# Bits of a program row's flags: which edits it applies.
+PENALTIES, BIAS, BANS, MIN_P = 1, 2, 4, 8
+# Columns of a program row's float32 factors.
+REPETITION, PRESENCE, FREQUENCY, MIN_P_OFFSET = 0, 1, 2, 3
+FACTORS = 4
+CHUNK = 4096  # vocabulary entries per program (a power of two)
 
 
-def apply_sparse_edits(logits: torch.Tensor, batch_rows: torch.Tensor,
-                       table_rows: torch.Tensor, next_positions: torch.Tensor,
-                       bias: tuple[torch.Tensor, torch.Tensor] | None,
-                       bans: torch.Tensor | None, token_pool: torch.Tensor) -> None:
-    """Rows `batch_rows` of `logits` [bs, vocab] (in place, unit stride along the vocabulary),
-    whose engine table rows are `table_rows` and whose sampled tokens sit at `next_positions`
-    (one per edited row): add `bias` = (ids [rows, width] int64, values [rows, width]
-    float32; padding id 0 with 0.0), then ban with `bans` [rows, sequences, length] int64
-    (right-aligned, -1 padded) against `token_pool` [rows, positions] int32."""
-    m = len(batch_rows)
-    if m == 0 or (bias is None and bans is None):
-        return
-    assert logits.stride(1) == 1 and token_pool.stride(1) == 1
-    ids, values = bias if bias is not None else (token_pool, token_pool)  # unused if None
-    width = ids.shape[1] if bias is not None else 1
-    ban = bans if bans is not None else token_pool
-    seqs, length = (bans.shape[1], bans.shape[2]) if bans is not None else (1, 1)
-    if bans is not None:
-        assert bans.is_contiguous()
-    _sparse_edits_kernel[(m,)](
-        logits, logits.stride(0), batch_rows.contiguous(), table_rows.contiguous(),
-        next_positions.contiguous(), ids, values, ids.stride(0), width,
-        ban, ban.stride(0), seqs, length, token_pool, token_pool.stride(0),
-        HAS_BIAS=bias is not None, HAS_BANS=bans is not None,
-        BLOCK_W=triton.next_power_of_2(width), BLOCK_S=triton.next_power_of_2(seqs),
-        BLOCK_L=triton.next_power_of_2(length), num_warps=1)
+@dataclass
+class EditTables:
+    """The engine's device state the edits read, per table row (None: no row uses it)."""
+
+    counts: torch.Tensor | None  # [rows, vocab] int32: output tokens generated
+    in_prompt: torch.Tensor | None  # [rows, vocab] bool: tokens of the prompt
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [rows, width] int64, values float32
+    bans: torch.Tensor | None  # [rows, sequences, length] int64, right-aligned, -1 padded
+    token_pool: torch.Tensor  # [rows, positions] int32: each row's tokens so far
 
 
 @triton.jit
-def _min_p_chunk_max_kernel(logits_ptr, logits_stride, batch_rows_ptr, max_ptr, vocab,
-                            num_chunks, CHUNK: tl.constexpr):
+def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num_programs,
+                 table_rows_ptr, next_pos_ptr, factors_ptr, counts_ptr, in_prompt_ptr,
+                 state_stride, bias_ids_ptr, bias_values_ptr, bias_stride, bias_width, ban_ptr,
+                 ban_row_stride, ban_seqs, ban_len, pool_ptr, pool_stride, max_ptr, num_chunks,
+                 vocab, COPY: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_BANS: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 CHUNK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_L: tl.constexpr):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
-    row = logits_ptr + tl.load(batch_rows_ptr + i).to(tl.int64) * logits_stride
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    tl.store(max_ptr + i * num_chunks + chunk, tl.max(x, 0))
+    # program_rows: [2, num_programs] int64, the batch index and the flags of each program row
+    b = tl.load(program_rows_ptr + i)
+    flags = tl.load(program_rows_ptr + num_programs + i)
+    r = tl.load(table_rows_ptr + b).to(tl.int64)
+    start = chunk * CHUNK_SIZE
+    cols = start + tl.arange(0, CHUNK_SIZE)
+    inside = cols < vocab
+    row = dst_ptr + b * dst_stride
+    penalized = ((flags & 1) != 0) & HAS_PENALTIES
+    if penalized | COPY:  # the dense pass: every logit of the chunk read once, written once
+        x = tl.load(src_ptr + b * src_stride + cols, mask=inside)
+        if penalized:
+            y = x.to(tl.float32)
+            count = tl.load(counts_ptr + r * state_stride + cols, mask=inside, other=0)
+            seen = (count > 0) | (tl.load(in_prompt_ptr + r * state_stride + cols,
+                                          mask=inside, other=0) != 0)
+            rep = tl.load(factors_ptr + i * 4)
+            y = tl.where(seen, tl.where(y > 0, y / rep, y * rep), y)
+            y = y - tl.load(factors_ptr + i * 4 + 2) * count.to(tl.float32) \
+                - tl.load(factors_ptr + i * 4 + 1) * (count > 0).to(tl.float32)
+            x = y.to(x.dtype)
+        tl.store(row + cols, x, mask=inside)
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
+        if (flags & 2) != 0:
+            tl.debug_barrier()  # the dense pass's stores first
+            w = tl.arange(0, BLOCK_W)
+            ids = tl.load(bias_ids_ptr + r * bias_stride + w, mask=w < bias_width, other=0)
+            values = tl.load(bias_values_ptr + r * bias_stride + w, mask=w < bias_width,
+                             other=0.0)
+            # Padding entries (id 0, value 0) change nothing: leave them out, so that they
+            # never race with a real entry of id 0.
+            mine = (w < bias_width) & (values != 0.0) & (ids >= start) & (ids < start + CHUNK_SIZE)
+            y = tl.load(row + ids, mask=mine, other=0.0).to(tl.float32)
+            value = values.to(dst_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(row + ids, (y + value).to(dst_ptr.dtype.element_ty), mask=mine)
+    if HAS_BANS:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
+        if (flags & 4) != 0:
+            tl.debug_barrier()  # a ban of a token comes after its bias
+            s = tl.arange(0, BLOCK_S)[:, None]
+            j = tl.arange(0, BLOCK_L)[None, :]
+            table = tl.load(ban_ptr + r * ban_row_stride + s * ban_len + j,
+                            mask=(s < ban_seqs) & (j < ban_len), other=-1)
+            # Column j < ban_len - 1 of a sequence must equal the token at position
+            # next - (ban_len - 1) + j (-1: a shorter sequence, matches anything).
+            pos = tl.load(next_pos_ptr + b).to(tl.int64) - (ban_len - 1) + j
+            context = tl.load(pool_ptr + r * pool_stride + pos,
+                              mask=(pos >= 0) & (j < ban_len - 1), other=-2).to(tl.int64)
+            prefix_ok = (table == context) | (table < 0) | (j >= ban_len - 1)
+            hit = tl.min(prefix_ok.to(tl.int32), axis=1) > 0  # [BLOCK_S]
+            last = tl.sum(tl.where(j == ban_len - 1, table, 0), axis=1)
+            ban = hit & (last >= start) & (last < start + CHUNK_SIZE) \
+                & (tl.arange(0, BLOCK_S) < ban_seqs)
+            minus_inf = tl.full([BLOCK_S], float("-inf"), tl.float32)
+            tl.store(row + tl.maximum(last, 0), minus_inf.to(dst_ptr.dtype.element_ty),
+                     mask=ban)
+    if HAS_MIN_P:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
+        if (flags & 8) != 0:
+            tl.debug_barrier()  # the chunk as edited
+            y = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            tl.store(max_ptr + i * num_chunks + chunk, tl.max(y, 0))
 
 
 @triton.jit
-def _min_p_floor_kernel(logits_ptr, logits_stride, batch_rows_ptr, offsets_ptr, max_ptr, vocab,
-                        num_chunks, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+def _min_p_floor_kernel(logits_ptr, logits_stride, program_rows_ptr, num_programs, factors_ptr,
+                        max_ptr, vocab, num_chunks, CHUNK_SIZE: tl.constexpr,
+                        CHUNKS_P2: tl.constexpr):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
-    row = logits_ptr + tl.load(batch_rows_ptr + i).to(tl.int64) * logits_stride
-    _, _, row_max = row_chunk_max(max_ptr, i, num_chunks, CHUNKS_P2)
-    floor = row_max + tl.load(offsets_ptr + i)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(row + cols, mask=cols < vocab, other=0.0)
-    minus_inf = tl.full([CHUNK], float("-inf"), tl.float32)
-    dropped = (cols < vocab) & (x.to(tl.float32) < floor)
-    tl.store(row + cols, minus_inf.to(x.dtype), mask=dropped)
+    if (tl.load(program_rows_ptr + num_programs + i) & 8) != 0:
+        row = logits_ptr + tl.load(program_rows_ptr + i) * logits_stride
+        _, _, row_max = row_chunk_max(max_ptr, i, num_chunks, CHUNKS_P2)
+        floor = row_max + tl.load(factors_ptr + i * 4 + 3)
+        cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+        x = tl.load(row + cols, mask=cols < vocab, other=0.0)
+        # The whole chunk written back, kept logits too: a store masked per logit is not
+        # vectorized (64 rows of 151,936 bf16 logits: 46.5 us against 7.6 us on an H200).
+        y = tl.where(x.to(tl.float32) < floor, float("-inf"), x.to(tl.float32))
+        tl.store(row + cols, y.to(x.dtype), mask=cols < vocab)
 
 
-def apply_min_p(logits: torch.Tensor, batch_rows: torch.Tensor, offsets: torch.Tensor,
-                chunk: int = 4096) -> None:
-    """min_p on rows `batch_rows` of `logits` [bs, vocab] (in place, unit stride along the
-    vocabulary): a logit below the row's largest plus `offsets` (float32, one per row:
-    temperature x log(min_p)) becomes -inf. `chunk`: vocabulary entries per program (a
-    power of two)."""
-    m, vocab = len(batch_rows), logits.shape[1]
+def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Tensor,
+                table_rows: torch.Tensor, next_positions: torch.Tensor, factors: torch.Tensor,
+                tables: EditTables, flags: int, chunk: int = CHUNK) -> None:
+    """Edit rows of `logits` [bs, vocab] (unit stride along the vocabulary) into `out` (the
+    same tensor: in place; another of its shape: a copy, and every program row is written).
+
+    `program_rows` [2, m] int64: each program row's batch index and flags (bits PENALTIES,
+    BIAS, BANS, MIN_P); `factors` [m, FACTORS] float32: its repetition, presence and frequency
+    penalties and min_p offset. `table_rows` and `next_positions` [bs] (device): each batch
+    entry's table row and the position of the token it samples. `flags`: the union of the
+    rows' flags (the kernels compile in only what some row uses). `chunk`: vocabulary entries
+    per program (a power of two)."""
+    m, vocab = program_rows.shape[1], logits.shape[1]
     if m == 0:
         return
-    assert logits.stride(1) == 1
+    copy = out.data_ptr() != logits.data_ptr()
+    assert logits.stride(1) == 1 and out.stride(1) == 1 and program_rows.is_contiguous()
+    assert factors.is_contiguous() and factors.shape == (m, FACTORS)
     num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max = torch.empty(m, num_chunks, dtype=torch.float32, device=logits.device)
-    batch_rows = batch_rows.contiguous()
-    _min_p_chunk_max_kernel[(m, num_chunks)](logits, logits.stride(0), batch_rows, chunk_max,
-                                             vocab, num_chunks, CHUNK=chunk, num_warps=4)
-    _min_p_floor_kernel[(m, num_chunks)](
-        logits, logits.stride(0), batch_rows, offsets.contiguous(), chunk_max, vocab,
-        num_chunks, CHUNK=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
-        num_warps=4)
+    pool = tables.token_pool
+    counts, in_prompt = tables.counts, tables.in_prompt
+    if not flags & PENALTIES or counts is None or in_prompt is None:
+        counts, in_prompt = pool, pool  # never read
+    else:
+        assert counts.stride(0) == in_prompt.stride(0) and counts.stride(1) == 1
+        in_prompt = in_prompt.view(torch.uint8)
+    ids, values = tables.bias if flags & BIAS and tables.bias is not None else (pool, pool)
+    width = ids.shape[1] if flags & BIAS else 1
+    bans = tables.bans if flags & BANS and tables.bans is not None else pool
+    seqs, length = (bans.shape[1], bans.shape[2]) if flags & BANS else (1, 1)
+    chunk_max = (torch.empty(m, num_chunks, dtype=torch.float32, device=logits.device)
+                 if flags & MIN_P else factors)
+    _edit_kernel[(m, num_chunks)](
+        logits, logits.stride(0), out, out.stride(0), program_rows, m,
+        table_rows, next_positions, factors, counts, in_prompt, counts.stride(0),
+        ids, values, ids.stride(0), width, bans, bans.stride(0), seqs, length,
+        pool, pool.stride(0), chunk_max, num_chunks, vocab,
+        COPY=copy, HAS_PENALTIES=bool(flags & PENALTIES), HAS_BIAS=bool(flags & BIAS),
+        HAS_BANS=bool(flags & BANS), HAS_MIN_P=bool(flags & MIN_P), CHUNK_SIZE=chunk,
+        BLOCK_W=triton.next_power_of_2(width), BLOCK_S=triton.next_power_of_2(seqs),
+        BLOCK_L=triton.next_power_of_2(length), num_warps=4)
+    if flags & MIN_P:
+        _min_p_floor_kernel[(m, num_chunks)](
+            out, out.stride(0), program_rows, m, factors, chunk_max, vocab, num_chunks,
+            CHUNK_SIZE=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
+            num_warps=4)

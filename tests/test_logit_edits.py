@@ -1,6 +1,6 @@
-"""The logit-bias, bad-word and min_p kernels (`kernels/logit_edits.py`) equal the engine's torch
-path (`LogitControls.apply` on CPU tensors). Without CUDA the kernels run in Triton's
-interpreter on CPU tensors; on a GPU compiled."""
+"""The edit kernels (`kernels/logit_edits.py`: penalties, logit bias, bad words and min_p) equal
+the engine's torch path (`LogitControls.apply` on CPU tensors), in place and into a copy.
+Without CUDA the kernels run in Triton's interpreter on CPU tensors; on a GPU compiled."""
 
 from __future__ import annotations
 
@@ -8,43 +8,54 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.logit_edits import _min_p_floor_kernel, apply_min_p, apply_sparse_edits
+from kernels.logit_edits import _edit_kernel, apply_edits
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
-DEVICES = devices(_min_p_floor_kernel)
+DEVICES = devices(_edit_kernel)
 VOCAB, ROWS, POSITIONS = 5000, 8, 64
 BATCH = np.array([6, 0, 2, 5, 1, 3])  # table rows of a batch: 0 and 3 edit nothing
 NEXT = 40  # every row samples its token at position 40
+PENALIZED = (2, 5)  # table rows with penalties (exact only in float32 interpreted: see below)
 
 
 def _controls(device: str) -> LogitControls:
     """Rows 1, 2 biased (row 2 with an entry for token 0, the padding id), rows 2, 5, 6 with
     bad words of 1-3 tokens (some matching the token pool's context), rows 1 and 6 with
-    min_p."""
+    min_p, rows 2 and 5 penalized (their first 20 tokens the prompt, the next 20 counted)."""
     params = RowParams(ROWS)
     pool = torch.zeros(ROWS, POSITIONS, dtype=torch.int32)
     gen = np.random.default_rng(3)
     pool[:, :NEXT] = torch.as_tensor(gen.integers(0, 50, (ROWS, NEXT)), dtype=torch.int32)
+    pool[2, 25] = 4999  # a counted token in the last chunk, as the bias at 4999 of row 1
     pool = pool.to(device)
     controls = LogitControls(params, ROWS, VOCAB, pool)
     admitted = np.array([1, 2, 5, 6])
-    admit = {"min_p": [0.1, 0.0, 0.0, 0.3], "temperature": [0.7, 1.0, 1.3, 0.5]}
+    admit = {"min_p": [0.1, 0.0, 0.0, 0.3], "temperature": [0.7, 1.0, 1.3, 0.5],
+             "repetition_penalty": [1.0, 1.3, 0.8, 1.0],
+             "presence_penalty": [0.0, 0.5, -0.25, 0.0],
+             "frequency_penalty": [0.0, 0.2, 0.0, 0.0]}
     params.admit(admitted, admit)
     ctx = {r: pool[r, NEXT - 2:NEXT].tolist() for r in (2, 5, 6)}  # the last two tokens
     bans = [(2, [17]), (2, [ctx[2][1], 4000]), (5, [ctx[5][0], ctx[5][1], 4001]),
             (5, [ctx[5][0] + 1, ctx[5][1], 4002]), (6, [4003]), (6, [ctx[6][1], 17]),
             (6, [99, 4004])]
-    bias = {1: {10: 2.5, 4999: -1.0, 17: 3.0}, 2: {0: 1.5, 4000: 4.0, 33: -0.5}}
-    msg = StepMessage(
+    bias = {1: {10: 2.5, 4999: -1.0, 17: 3.0}, 2: {0: 1.5, 4000: 4.0, 33: -0.5, 4095: 1.0,
+                                                     4096: -2.0}}
+    controls.admit(StepMessage(
         is_prefill=True, admit_rows=admitted.tolist(), admit=admit,
+        prompt_rows=list(PENALIZED), prompt_counts=[20, 20],
+        prompt_tokens=pool[list(PENALIZED), :20].flatten().tolist(),
         bias_rows=list(bias), bias_counts=[len(b) for b in bias.values()],
         bias_ids=[i for b in bias.values() for i in b],
         bias_values=[v for b in bias.values() for v in b.values()],
         ban_rows=[r for r, _ in bans], ban_lens=[len(t) for _, t in bans],
-        ban_tokens=[t for _, seq in bans for t in seq])
-    controls.admit(msg)
+        ban_tokens=[t for _, seq in bans for t in seq]))
+    penalized = np.array(PENALIZED)
+    for position in range(20, NEXT):
+        controls.record(penalized, torch.as_tensor(penalized, device=device),
+                        pool[penalized, position].long(), np.full(2, position + 1))
     return controls
 
 
@@ -57,52 +68,79 @@ def _torch_path(logits: torch.Tensor) -> torch.Tensor:
     controls = _controls("cpu")
     out = logits.clone()
     rows_t = torch.as_tensor(BATCH)
-    controls.apply(out, BATCH, rows_t, torch.full((len(BATCH),), NEXT),
-                   np.full(len(BATCH), NEXT))
+    edited = controls.apply(out, BATCH, rows_t, torch.full((len(BATCH),), NEXT),
+                            np.full(len(BATCH), NEXT))
+    assert edited is out  # in place
     return out
+
+
+def _check(got: torch.Tensor, original: torch.Tensor, expected: torch.Tensor,
+           exact: bool) -> None:
+    """`got` equals the torch path's `expected`: exactly, or (a GPU's float32 division,
+    bfloat16 roundings) the penalized rows within rounding."""
+    penalized = torch.as_tensor(np.isin(BATCH, PENALIZED))
+    assert torch.equal(got[~penalized], expected[~penalized])
+    tolerance = 0.0 if exact else 1e-5 if got.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[penalized].float(), expected[penalized].float(),
+                               rtol=tolerance, atol=tolerance)
+    # The case covers what it means to (batch index: table row 6, 0, 2, 5, 1, 3).
+    for b in (1, 5):  # table rows 0 and 3 use nothing
+        assert torch.equal(got[b], original[b])
+    assert expected[2, 17].isinf() and expected[2, 4000].isinf()  # a ban after its bias
+    assert expected[3, 4001].isinf() and not expected[3, 4002].isinf()  # 3-token context
+    assert got[4, 10] == original[4, 10] + 2.5 or got[4, 10].isinf()  # row 1: bias + min_p
+    assert got[4].isinf().sum() > VOCAB // 2 and got[0].isinf().sum() > VOCAB // 2
+    assert (got[2] != original[2]).sum() > 30 and (got[3] != original[3]).sum() > 15
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunk", [1024, 4096])
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "copy"])
+def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype, chunk: int,
+                                      copy: bool) -> None:
+    """Every edit in one kernel over vocabulary chunks (5 or 2 of them: bias entries and
+    bans on both sides of a chunk's edge), in place or into a copy that also holds the rows
+    without edits, while the raw logits stay as they were."""
     original = _logits(dtype)
     expected = _torch_path(original)
     controls = _controls(device)
     logits = original.clone().to(device)
-    rows_t = torch.as_tensor(BATCH, device=device)
-    next_t = torch.full((len(BATCH),), NEXT, device=device)
-    edited = np.nonzero(controls.biased[BATCH] | controls.banned[BATCH])[0]
-    edited_t = torch.as_tensor(edited, device=device)
-    apply_sparse_edits(logits, edited_t, rows_t[edited_t], next_t[edited_t],
-                       (controls.bias_ids, controls.bias_values), controls.ban_tokens,
-                       controls.token_pool)
-    which = np.nonzero(controls.min_p_rows[BATCH])[0]
-    p = controls.params
-    offsets = torch.as_tensor(p["temperature"][BATCH[which]] * np.log(p["min_p"][BATCH[which]]),
-                              dtype=torch.float32, device=device)
-    apply_min_p(logits, torch.as_tensor(which, device=device), offsets, chunk=1024)  # 5 chunks
-    got = logits.cpu()
-    assert torch.equal(got.isinf(), expected.isinf())
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    # The case covers what it means to (batch index: table row 6, 0, 2, 5, 1, 3).
-    for b in (1, 5):  # table rows 0 and 3 use nothing
-        assert torch.equal(got[b], original[b])
-    assert got[2, 0] == original[2, 0] + 1.5 and got[2, 33] == original[2, 33] - 0.5
-    assert got[2, 17].isinf() and got[2, 4000].isinf()  # a ban after a bias of the same token
-    assert got[3, 4001].isinf() and not got[3, 4002].isinf()  # 3-token context: hit, miss
-    assert got[4, 10] == original[4, 10] + 2.5 or got[4, 10].isinf()  # row 1: bias + min_p
-    assert got[4].isinf().sum() > VOCAB // 2 and got[0].isinf().sum() > VOCAB // 2
+    out = torch.full_like(logits, float("nan")) if copy else logits
+    edits = controls._edit_rows(BATCH, every_row=copy)
+    apply_edits(logits, out, edits.program_rows, torch.as_tensor(BATCH, device=device),
+                torch.full((len(BATCH),), NEXT, device=device), edits.factors, edits.tables,
+                edits.flags, chunk=chunk)
+    _check(out.cpu(), original, expected, exact=device == "cpu" and dtype == torch.float32)
+    if copy:
+        assert torch.equal(logits.cpu(), original)
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
-def test_the_engine_path_uses_the_kernels_on_a_gpu(device: str) -> None:
-    """`LogitControls.apply` on the GPU (the kernels) equals the torch path on CPU."""
+@pytest.mark.parametrize("keep_raw", [False, True])
+def test_the_engine_path_uses_the_kernels_on_a_gpu(device: str, keep_raw: bool) -> None:
+    """`LogitControls.apply` on the GPU (the kernels) equals the torch path on CPU; with
+    `keep_raw` it returns an edited copy and leaves the logits raw."""
     original = _logits(torch.float32)
     controls = _controls(device)
     logits = original.clone().to(device)
-    controls.apply(logits, BATCH, torch.as_tensor(BATCH, device=device),
-                   torch.full((len(BATCH),), NEXT, device=device), np.full(len(BATCH), NEXT))
-    torch.testing.assert_close(logits.cpu(), _torch_path(original), rtol=0, atol=0)
+    edited = controls.apply(logits, BATCH, torch.as_tensor(BATCH, device=device),
+                            torch.full((len(BATCH),), NEXT, device=device),
+                            np.full(len(BATCH), NEXT), keep_raw=keep_raw)
+    assert (edited is logits) != keep_raw
+    _check(edited.cpu(), original, _torch_path(original), exact=False)
+    if keep_raw:
+        assert torch.equal(logits.cpu(), original)
+
+
+def test_the_torch_path_keeps_the_raw_logits_too() -> None:
+    original = _logits(torch.float32)
+    controls = _controls("cpu")
+    logits = original.clone()
+    edited = controls.apply(logits, BATCH, torch.as_tensor(BATCH), torch.full((len(BATCH),), NEXT),
+                            np.full(len(BATCH), NEXT), keep_raw=True)
+    assert torch.equal(logits, original)
+    assert torch.equal(edited, _torch_path(original))
 
 
 def test_rows_that_only_report_take_no_edit() -> None:

@@ -136,7 +136,7 @@ def test_controls_take_log_probabilities_after_sampling(device: str) -> None:
         logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
         tokens = torch.randint(0, vocab, (len(rows),), generator=gen).to(device)
         got = controls.sampled_logprobs(logits, rows, tokens)
-        raw = controls.raw_logprobs(logits, rows, False)
+        raw = controls.raw_logprobs(logits, rows)
         assert got is not None and raw is not None
         two_steps = controls.report(raw, rows, tokens)
         wanted = np.nonzero(params["logprobs"][rows] >= 0)[0]

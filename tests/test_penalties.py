@@ -1,6 +1,6 @@
 """The three ways the engine applies penalties agree: the sparse torch path (only the tokens a
 row has seen, read from its token pool), the dense torch path (long sequences: every
-vocabulary entry) and the Triton kernel (`kernels/penalties.py`, GPU; without CUDA it runs in
+vocabulary entry) and the edit kernel (`kernels/logit_edits.py`, GPU; without CUDA it runs in
 Triton's interpreter on CPU tensors)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.penalties import _penalty_kernel, apply_penalties
+from kernels.logit_edits import _edit_kernel, apply_edits
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
-DEVICES = devices(_penalty_kernel)
+DEVICES = devices(_edit_kernel)
 VOCAB, ROWS = 3000, 6  # the vocabulary spans two 2048-wide blocks, the last one partial
 
 
@@ -75,13 +75,10 @@ def test_kernel_equals_the_torch_path(device: str, dtype: torch.dtype) -> None:
     expected = _penalized(_controls("cpu")[0], original.float(), VOCAB).to(dtype).float()
     logits = original.clone().to(device)
     penalized = np.isin(BATCH, rows)
-    which = np.nonzero(penalized)[0]
-    p = controls.params
-    factors = [torch.tensor(p[name][BATCH[which]], dtype=torch.float32, device=device)
-               for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
-    apply_penalties(logits, torch.as_tensor(which, device=device),
-                    torch.as_tensor(BATCH[which], device=device), controls.counts,
-                    controls.in_prompt, *factors)
+    edits = controls._edit_rows(BATCH, every_row=False)
+    apply_edits(logits, logits, edits.program_rows, torch.as_tensor(BATCH, device=device),
+                torch.full((len(BATCH),), SEQ_LEN, device=device), edits.factors,
+                edits.tables, edits.flags)
     got = logits.cpu().float()
     unpenalized = torch.as_tensor(~penalized)
     assert torch.equal(got[unpenalized], original.float()[unpenalized])

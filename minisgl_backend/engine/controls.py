@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, ranges
 from minisgl_backend.layers.fast_ops import use_triton_kernels
 
 if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
+    from kernels.logit_edits import EditTables
     from kernels.logprobs import LogprobScratch
 
 
@@ -93,6 +94,17 @@ class _LogprobBuffers:
                    table[:, cols.token], LogprobScratch.allocate(rows, vocab, top, device))
 
 
+@dataclass
+class _EditRows:
+    """What the edit kernels take of one batch's rows (`kernels.logit_edits.apply_edits`),
+    uploaded once per batch until the next admission."""
+
+    program_rows: torch.Tensor  # [2, m] int64: batch index and flags of each program row
+    factors: torch.Tensor  # [m, FACTORS] float32
+    flags: int  # the union of the rows' flags
+    tables: EditTables
+
+
 class LogitControls:
     """The controls of one engine. `apply` edits a step's logits in place before sampling;
     `record` updates the penalty counts from the sampled tokens."""
@@ -125,19 +137,23 @@ class LogitControls:
         # Per-batch device copies of host values (row indices, factors), by what they are and
         # the batch's rows: decode steps of an unchanged batch upload nothing. Admissions
         # change the rows' settings, so they clear it.
-        self._uploads: dict[tuple[str, bytes], torch.Tensor] = {}
+        self._uploads: dict[tuple[str, bytes], Any] = {}
         self._lp_buffers: dict[tuple[int, int], _LogprobBuffers] = {}  # (rows, top)
 
     def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """`make()` on the device, uploaded once per (what, key) until the next admission."""
+        return self._kept(what, key, lambda: host_to_device(make(), self.device, dtype))
+
+    def _kept(self, what: str, key: np.ndarray, make: Callable[[], Any]) -> Any:
+        """`make()`, made once per (what, key) until the next admission."""
         cache_key = (what, key.tobytes())
-        tensor = self._uploads.get(cache_key)
-        if tensor is None:
+        found = self._uploads.get(cache_key)
+        if found is None:
             if len(self._uploads) >= 256:  # many batch shapes in a row: start over
                 self._uploads.clear()
-            tensor = self._uploads[cache_key] = host_to_device(make(), self.device, dtype)
-        return tensor
+            found = self._uploads[cache_key] = make()
+        return found
 
     # ----- admission ---------------------------------------------------------------------
 
@@ -246,17 +262,10 @@ class LogitControls:
 
     # ----- a step ------------------------------------------------------------------------
 
-    def changes_values(self, rows: np.ndarray) -> bool:
-        """`apply` changes some logit of the batch to a value other than -inf (penalties, a
-        bias). Masks (bans, min_p, grammars, min_tokens) only set tokens that then cannot be
-        sampled to -inf: the sampled tokens' logits stay raw."""
-        return bool((self.penalized[rows] | self.biased[rows]).any())
-
-    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
-                     changed: bool) -> RawLogprobs | None:
-        """What the rows reporting log-probabilities need of the raw logits, taken before any
-        control changes them (`changed`: `changes_values`, so the sampled tokens' raw logits
-        must be copied now); None if no row asks. `report` completes it after sampling."""
+    def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> RawLogprobs | None:
+        """What the rows reporting log-probabilities need of the raw logits, taken before masks
+        (grammars, min_tokens) set some of them to -inf in place; None if no row asks.
+        `report` completes it after sampling: a mask leaves the sampled tokens' logits raw."""
         reporting = self._reporting(logits, rows)
         if reporting is None:
             return None
@@ -272,10 +281,7 @@ class LogitControls:
 
         buffers = self._logprob_buffers(len(wanted), top)
         lse, _, _ = logprob_stats(sel, top, out=buffers.top, scratch=buffers.scratch)
-        # The sampled tokens' raw logits are read after sampling: a copy if a control
-        # changes `logits` first (the selection of some rows is one already).
-        raw = sel.clone() if changed and sel is logits else sel
-        return RawLogprobs(wanted, raw, lse, buffers.table)
+        return RawLogprobs(wanted, sel, lse, buffers.table)
 
     def report(self, raw: RawLogprobs, rows: np.ndarray, tokens: torch.Tensor) -> LogprobReport:
         """The sampled tokens' log-probabilities next to the top alternatives of `raw`."""
@@ -291,11 +297,11 @@ class LogitControls:
 
     def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
                          tokens: torch.Tensor) -> LogprobReport | None:
-        """`raw_logprobs` and `report` in one go, after sampling, for a step whose logits
-        reached sampling unchanged (no control edited them, no mask): on a GPU the kernels
-        then write the sampled tokens' column too. None if no row asks."""
+        """`raw_logprobs` and `report` in one go, after sampling, from the raw `logits` (no
+        control or mask changed them: `apply` with `keep_raw` edits a copy): on a GPU the
+        kernels then write the sampled tokens' column too. None if no row asks."""
         if not _kernels_edit(logits):
-            raw = self.raw_logprobs(logits, rows, False)
+            raw = self.raw_logprobs(logits, rows)
             return self.report(raw, rows, tokens) if raw is not None else None
         reporting = self._reporting(logits, rows)
         if reporting is None:
@@ -336,41 +342,77 @@ class LogitControls:
         return buffers
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-              next_positions: torch.Tensor, seq_lens: np.ndarray) -> None:
-        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order.
-        `next_positions` [bs] (device) and `seq_lens` [bs] (host): positions of the tokens
-        being sampled."""
+              next_positions: torch.Tensor, seq_lens: np.ndarray,
+              keep_raw: bool = False) -> torch.Tensor:
+        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order; the
+        logits to sample from: `logits` edited in place, or with `keep_raw` an edited copy
+        (`logits` then stay raw for the log-probabilities). `next_positions` [bs] (device) and
+        `seq_lens` [bs] (host): positions of the tokens being sampled."""
+        if _kernels_edit(logits):
+            return self._apply_kernels(logits, rows, rows_t, next_positions, keep_raw)
+        if keep_raw:
+            logits = logits.clone()
         penalized = self.penalized[rows]
         if penalized.any():
             self._penalize(logits, rows, penalized, seq_lens, next_positions)
-        biased, banned = self.biased[rows], self.banned[rows]
-        kernels = _kernels_edit(logits)
-        if kernels and (biased.any() or banned.any()):
-            self._sparse_edits(logits, rows, rows_t, next_positions, biased, banned)
-        else:
-            if biased.any():
-                assert self.bias_ids is not None and self.bias_values is not None
-                logits.scatter_add_(1, self.bias_ids[rows_t],
-                                    self.bias_values[rows_t].to(logits.dtype))
-            if banned.any():
-                self._ban(logits, rows_t, next_positions)
+        if self.biased[rows].any():
+            assert self.bias_ids is not None and self.bias_values is not None
+            logits.scatter_add_(1, self.bias_ids[rows_t],
+                                self.bias_values[rows_t].to(logits.dtype))
+        if self.banned[rows].any():
+            self._ban(logits, rows_t, next_positions)
         min_p = self.min_p_rows[rows]
         if min_p.any():
-            self._min_p(logits, rows, min_p, kernels)
+            self._min_p(logits, rows, min_p)
+        return logits
 
-    def _sparse_edits(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-                      next_positions: torch.Tensor, biased: np.ndarray,
-                      banned: np.ndarray) -> None:
-        """Bias and bans of the rows using either, in one kernel (`kernels/logit_edits.py`)."""
-        from kernels.logit_edits import apply_sparse_edits
+    def _apply_kernels(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
+                       next_positions: torch.Tensor, keep_raw: bool) -> torch.Tensor:
+        """`apply` on a GPU: every edit in one kernel, min_p's floor in a second
+        (`kernels/logit_edits.py`)."""
+        from kernels.logit_edits import apply_edits
 
-        edited = biased | banned
-        which_t = self._upload("edited rows", rows, lambda: np.nonzero(edited)[0])
-        table_t, next_t = ((rows_t, next_positions) if edited.all()
-                           else (rows_t[which_t], next_positions[which_t]))
-        bias = (self.bias_ids, self.bias_values) if biased.any() else None
-        apply_sparse_edits(logits, which_t, table_t, next_t, bias,
-                           self.ban_tokens if banned.any() else None, self.token_pool)
+        edits = self._kept("edit rows" if keep_raw else "edited rows", rows,
+                           lambda: self._edit_rows(rows, keep_raw))
+        out = torch.empty_like(logits) if keep_raw else logits
+        apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
+                    edits.tables, edits.flags)
+        return out
+
+    def _edit_rows(self, rows: np.ndarray, every_row: bool) -> _EditRows:
+        """The edit kernels' rows of a batch: its edited rows, or `every_row` (a copy is
+        written: rows without edits are copied)."""
+        from kernels.logit_edits import (
+            BANS,
+            BIAS,
+            FACTORS,
+            FREQUENCY,
+            MIN_P,
+            MIN_P_OFFSET,
+            PENALTIES,
+            PRESENCE,
+            REPETITION,
+            EditTables,
+        )
+
+        which = np.arange(len(rows)) if every_row else np.nonzero(self.edited[rows])[0]
+        sel = rows[which]
+        flags = (PENALTIES * self.penalized[sel] + BIAS * self.biased[sel]
+                 + BANS * self.banned[sel] + MIN_P * self.min_p_rows[sel])
+        p = self.params
+        factors = np.zeros((len(sel), FACTORS), dtype=np.float32)
+        factors[:, REPETITION] = np.where(self.penalized[sel], p["repetition_penalty"][sel], 1.0)
+        factors[:, PRESENCE] = np.where(self.penalized[sel], p["presence_penalty"][sel], 0.0)
+        factors[:, FREQUENCY] = np.where(self.penalized[sel], p["frequency_penalty"][sel], 0.0)
+        min_p = sel[self.min_p_rows[sel]]
+        factors[self.min_p_rows[sel], MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
+                                                                   p["min_p"][min_p])
+        return _EditRows(
+            program_rows=host_to_device(np.stack([which, flags]).astype(np.int64), self.device),
+            factors=host_to_device(factors, self.device), flags=int(np.bitwise_or.reduce(flags)),
+            tables=EditTables(self.counts, self.in_prompt, (self.bias_ids, self.bias_values)
+                              if self.bias_ids is not None else None, self.ban_tokens,
+                              self.token_pool))
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
                   seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:
@@ -380,16 +422,9 @@ class LogitControls:
         sel_rows = rows[which]
         rep, presence, frequency = self._upload("penalties", rows, lambda: np.stack(
             [p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
-             p["frequency_penalty"][sel_rows]]), torch.float32)
+             p["frequency_penalty"][sel_rows]]), torch.float32).unsqueeze(2)
         which_t, row_t = self._upload("penalized rows", rows,
                                       lambda: np.stack([which, sel_rows]), torch.int64)
-        if _kernels_edit(logits):
-            from kernels.penalties import apply_penalties
-
-            apply_penalties(logits, which_t, row_t, self.counts, self.in_prompt, rep, presence,
-                            frequency)
-            return
-        rep, presence, frequency = rep.unsqueeze(1), presence.unsqueeze(1), frequency.unsqueeze(1)
         lens = seq_lens[which]
         if 2 * int(lens.max()) < self.vocab_size:
             # Only the tokens a row has seen change: its token pool row holds them all (the
@@ -428,21 +463,14 @@ class LogitControls:
         penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
         logits.scatter_add_(1, last.clamp(min=0), penalty)
 
-    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray,
-               kernels: bool = False) -> None:
+    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray) -> None:
         """Drop tokens whose probability at the row's temperature is below min_p times the
         top one's: logit < max + temperature * log(min_p)."""
         which = np.nonzero(which_mask)[0]
         sel_rows = rows[which]
         p = self.params
-        offset_t = self._upload("min_p", rows, lambda: p["temperature"][sel_rows] * np.log(
-            p["min_p"][sel_rows]), torch.float32)
-        if kernels:
-            from kernels.logit_edits import apply_min_p
-
-            apply_min_p(logits, self._upload("min_p rows", rows, lambda: which), offset_t)
-            return
-        offset_t = offset_t.unsqueeze(1)
+        offset_t = self._upload("min_p", rows, lambda: min_p_offset(
+            p["temperature"][sel_rows], p["min_p"][sel_rows]), torch.float32).unsqueeze(1)
         if len(which) == len(rows):
             floor = logits.amax(dim=-1, keepdim=True).float() + offset_t
             logits.masked_fill_(logits < floor, float("-inf"))
@@ -461,11 +489,22 @@ class LogitControls:
             return
         assert self.counts is not None
         if counted.all():
-            self.counts[rows_t, tokens.long()] += 1
+            # Two calls: the rows' offsets in the flat counts and the ones to add are kept
+            # per batch (index_put_ with accumulate sorts its indices: ten times the host time).
+            offsets, ones = self._kept("count rows", rows, lambda: (
+                host_to_device(rows * self.vocab_size, self.device),
+                host_to_device(np.ones(len(rows), dtype=np.int32), self.device)))
+            self.counts.view(-1).scatter_add_(0, offsets + tokens, ones)
             return
         which = self._upload("counted rows", np.concatenate([rows, counted]),
                              lambda: np.nonzero(counted)[0])
         self.counts[rows_t[which], tokens[which].long()] += 1
+
+
+def min_p_offset(temperature: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """How far below a row's largest logit min_p drops tokens: a token's probability at the
+    row's temperature is below min_p times the top one's where logit < max + this."""
+    return temperature * np.log(min_p)
 
 
 def _kernels_edit(logits: torch.Tensor) -> bool:

@@ -64,12 +64,15 @@ class StartedStep:
     msg: StepMessage
     rows: np.ndarray  # the table row of each entry of the batch (each sample), on cpu
     batch: Batch
-    logits: torch.Tensor  # [entries, vocab]
+    logits: torch.Tensor  # [entries, vocab], as sampling reads them
+    # The forward's logits, unedited: `logits` itself, or the raw values the controls' edited
+    # copy was made from (the log-probabilities are taken of them after sampling).
+    raw_logits: torch.Tensor
     next_positions: torch.Tensor  # position of the token each entry samples (device)
     seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
     edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
     raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
-    # Log-probabilities taken after sampling, from the logits sampling read (none changed).
+    # Log-probabilities taken after sampling, from `raw_logits`.
     sampled_logprobs: bool = False
     logits_report: LogitsReport | None = None
 
@@ -290,7 +293,7 @@ class Engine:
         next_positions = batch.seq_lens_device
         if next_positions is None:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        step = StartedStep(msg, rows, batch, logits, next_positions,
+        step = StartedStep(msg, rows, batch, logits, logits, next_positions,
                            np.asarray(batch.seq_lens, dtype=np.int64),
                            edited=bool(self.controls.edited[rows].any()))  # one check
         reported = self.reports and bool(self.controls.reported[rows].any())
@@ -298,15 +301,17 @@ class Engine:
             step.logits_report = self._logits_report(logits, rows, msg, batch)
         early_stops = np.nonzero(self.row_min_len[rows] > step.seq_lens)[0]
         if reported:
-            # Unless something changes the logits before sampling, the log-probabilities wait
-            # until after it (`finish`), where the kernels also fill the sampled tokens' column.
-            step.sampled_logprobs = not (step.edited or len(msg.guide_rows) or len(early_stops))
+            # The log-probabilities wait until after sampling (`finish`, where the kernels also
+            # fill the sampled tokens' column), read from the raw logits: the controls then
+            # edit a copy. Masks alone (grammars, min_tokens) edit in place, after the raw
+            # statistics are taken.
+            step.sampled_logprobs = step.edited or not (len(msg.guide_rows) or len(early_stops))
             if not step.sampled_logprobs:
-                step.raw_logprobs = self.controls.raw_logprobs(
-                    logits, rows, step.edited and self.controls.changes_values(rows))
+                step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
         if step.edited:
-            self.controls.apply(logits, rows, batch.rows, next_positions, step.seq_lens)
-        self._mask_early_stops(logits, rows, early_stops)
+            step.logits = self.controls.apply(logits, rows, batch.rows, next_positions,
+                                              step.seq_lens, keep_raw=reported)
+        self._mask_early_stops(step.logits, rows, early_stops)
         return step
 
     def attach_masks(self, buffer: MaskBuffer) -> None:
@@ -345,7 +350,7 @@ class Engine:
         if step.raw_logprobs is not None:
             report = self.controls.report(step.raw_logprobs, rows, sampled)
         elif step.sampled_logprobs:
-            report = self.controls.sampled_logprobs(logits, rows, sampled)
+            report = self.controls.sampled_logprobs(step.raw_logits, rows, sampled)
         host = None
         if self.device.type == "cuda":
             host = self._host_buffers[self.num_launched % 2]
