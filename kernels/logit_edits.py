@@ -44,10 +44,16 @@ class EditTables:
     """The engine's device state the edits read, per table row (None: no row uses it)."""
 
     counts: torch.Tensor | None  # [rows, vocab] int32: output tokens generated
-    in_prompt: torch.Tensor | None  # [rows, vocab] bool: tokens of the prompt
+    in_prompt: torch.Tensor | None  # [rows, vocab] bool or uint8: tokens of the prompt
     bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [rows, width] int64, values float32
     bans: torch.Tensor | None  # [rows, sequences, length] int64, right-aligned, -1 padded
     token_pool: torch.Tensor  # [rows, positions] int32: each row's tokens so far
+
+
+def min_p_scratch(rows: int, vocab: int, device: torch.device, chunk: int = CHUNK
+                  ) -> torch.Tensor:
+    """`apply_edits`' working memory for min_p rows: each chunk's largest edited logit."""
+    return torch.empty(rows, triton.cdiv(vocab, chunk), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -143,7 +149,8 @@ def _min_p_floor_kernel(logits_ptr, logits_stride, program_rows_ptr, num_program
 
 def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Tensor,
                 table_rows: torch.Tensor, next_positions: torch.Tensor, factors: torch.Tensor,
-                tables: EditTables, flags: int, chunk: int = CHUNK) -> None:
+                tables: EditTables, flags: int, chunk: int = CHUNK,
+                chunk_max: torch.Tensor | None = None) -> None:
     """Edit rows of `logits` [bs, vocab] (unit stride along the vocabulary) into `out` (the
     same tensor: in place; another of its shape: a copy, and every program row is written).
 
@@ -152,13 +159,13 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
     penalties and min_p offset. `table_rows` and `next_positions` [bs] (device): each batch
     entry's table row and the position of the token it samples. `flags`: the union of the
     rows' flags (the kernels compile in only what some row uses). `chunk`: vocabulary entries
-    per program (a power of two)."""
+    per program (a power of two). `chunk_max`: float32 [m, vocabulary chunks], min_p's working
+    memory (made here if None)."""
     m, vocab = program_rows.shape[1], logits.shape[1]
     if m == 0:
         return
-    copy = out.data_ptr() != logits.data_ptr()
-    assert logits.stride(1) == 1 and out.stride(1) == 1 and program_rows.is_contiguous()
-    assert factors.is_contiguous() and factors.shape == (m, FACTORS)
+    copy = out is not logits
+    assert logits.stride(1) == 1 and out.stride(1) == 1
     num_chunks = triton.cdiv(vocab, chunk)
     pool = tables.token_pool
     counts, in_prompt = tables.counts, tables.in_prompt
@@ -166,13 +173,15 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
         counts, in_prompt = pool, pool  # never read
     else:
         assert counts.stride(0) == in_prompt.stride(0) and counts.stride(1) == 1
-        in_prompt = in_prompt.view(torch.uint8)
+        if in_prompt.dtype == torch.bool:
+            in_prompt = in_prompt.view(torch.uint8)
     ids, values = tables.bias if flags & BIAS and tables.bias is not None else (pool, pool)
     width = ids.shape[1] if flags & BIAS else 1
     bans = tables.bans if flags & BANS and tables.bans is not None else pool
     seqs, length = (bans.shape[1], bans.shape[2]) if flags & BANS else (1, 1)
-    chunk_max = (torch.empty(m, num_chunks, dtype=torch.float32, device=logits.device)
-                 if flags & MIN_P else factors)
+    if chunk_max is None:
+        chunk_max = (min_p_scratch(m, vocab, logits.device, chunk) if flags & MIN_P
+                     else factors)
     _edit_kernel[(m, num_chunks)](
         logits, logits.stride(0), out, out.stride(0), program_rows, m,
         table_rows, next_positions, factors, counts, in_prompt, counts.stride(0),

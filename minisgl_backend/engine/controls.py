@@ -103,6 +103,7 @@ class _EditRows:
     factors: torch.Tensor  # [m, FACTORS] float32
     flags: int  # the union of the rows' flags
     tables: EditTables
+    chunk_max: torch.Tensor | None  # min_p's working memory, if a row uses min_p
 
 
 class LogitControls:
@@ -128,6 +129,7 @@ class LogitControls:
         self.num_rows = num_rows
         # Device state, allocated on first use.
         self.counts: torch.Tensor | None = None  # [rows, vocab] int32: tokens generated
+        self._flat_counts: torch.Tensor | None = None  # its view as [rows * vocab]
         self.in_prompt: torch.Tensor | None = None  # [rows, vocab] bool: tokens of the prompt
         self.bias_ids: torch.Tensor | None = None  # [rows, width] int64 (padding: 0 with 0.0)
         self.bias_values: torch.Tensor | None = None  # [rows, width] float32
@@ -194,6 +196,7 @@ class LogitControls:
         if self.counts is None:
             shape = (self.num_rows, self.vocab_size)
             self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self._flat_counts = self.counts.view(-1)
             self.in_prompt = torch.zeros(shape, dtype=torch.bool, device=self.device)
         rows_t = host_to_device(rows, self.device)
         self.counts[rows_t] = 0
@@ -376,43 +379,37 @@ class LogitControls:
                            lambda: self._edit_rows(rows, keep_raw))
         out = torch.empty_like(logits) if keep_raw else logits
         apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
-                    edits.tables, edits.flags)
+                    edits.tables, edits.flags, chunk_max=edits.chunk_max)
         return out
 
     def _edit_rows(self, rows: np.ndarray, every_row: bool) -> _EditRows:
         """The edit kernels' rows of a batch: its edited rows, or `every_row` (a copy is
         written: rows without edits are copied)."""
-        from kernels.logit_edits import (
-            BANS,
-            BIAS,
-            FACTORS,
-            FREQUENCY,
-            MIN_P,
-            MIN_P_OFFSET,
-            PENALTIES,
-            PRESENCE,
-            REPETITION,
-            EditTables,
-        )
+        from kernels import logit_edits as k
 
         which = np.arange(len(rows)) if every_row else np.nonzero(self.edited[rows])[0]
         sel = rows[which]
-        flags = (PENALTIES * self.penalized[sel] + BIAS * self.biased[sel]
-                 + BANS * self.banned[sel] + MIN_P * self.min_p_rows[sel])
+        flags = (k.PENALTIES * self.penalized[sel] + k.BIAS * self.biased[sel]
+                 + k.BANS * self.banned[sel] + k.MIN_P * self.min_p_rows[sel])
         p = self.params
-        factors = np.zeros((len(sel), FACTORS), dtype=np.float32)
-        factors[:, REPETITION] = np.where(self.penalized[sel], p["repetition_penalty"][sel], 1.0)
-        factors[:, PRESENCE] = np.where(self.penalized[sel], p["presence_penalty"][sel], 0.0)
-        factors[:, FREQUENCY] = np.where(self.penalized[sel], p["frequency_penalty"][sel], 0.0)
+        factors = np.zeros((len(sel), k.FACTORS), dtype=np.float32)
+        penalized = self.penalized[sel]
+        factors[:, k.REPETITION] = np.where(penalized, p["repetition_penalty"][sel], 1.0)
+        factors[:, k.PRESENCE] = np.where(penalized, p["presence_penalty"][sel], 0.0)
+        factors[:, k.FREQUENCY] = np.where(penalized, p["frequency_penalty"][sel], 0.0)
         min_p = sel[self.min_p_rows[sel]]
-        factors[self.min_p_rows[sel], MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
-                                                                   p["min_p"][min_p])
+        factors[self.min_p_rows[sel], k.MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
+                                                                     p["min_p"][min_p])
+        union = int(np.bitwise_or.reduce(flags))
+        in_prompt = self.in_prompt.view(torch.uint8) if self.in_prompt is not None else None
         return _EditRows(
             program_rows=host_to_device(np.stack([which, flags]).astype(np.int64), self.device),
-            factors=host_to_device(factors, self.device), flags=int(np.bitwise_or.reduce(flags)),
-            tables=EditTables(self.counts, self.in_prompt, (self.bias_ids, self.bias_values)
-                              if self.bias_ids is not None else None, self.ban_tokens,
-                              self.token_pool))
+            factors=host_to_device(factors, self.device), flags=union,
+            tables=k.EditTables(self.counts, in_prompt, (self.bias_ids, self.bias_values)
+                                if self.bias_ids is not None else None, self.ban_tokens,
+                                self.token_pool),
+            chunk_max=k.min_p_scratch(len(which), self.vocab_size, self.device)
+            if union & k.MIN_P else None)
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
                   seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:
@@ -487,14 +484,14 @@ class LogitControls:
         counted = self.penalized[rows] & (seq_lens >= self.prompt_len[rows])
         if not counted.any():
             return
-        assert self.counts is not None
+        assert self.counts is not None and self._flat_counts is not None
         if counted.all():
             # Two calls: the rows' offsets in the flat counts and the ones to add are kept
             # per batch (index_put_ with accumulate sorts its indices: ten times the host time).
             offsets, ones = self._kept("count rows", rows, lambda: (
                 host_to_device(rows * self.vocab_size, self.device),
                 host_to_device(np.ones(len(rows), dtype=np.int32), self.device)))
-            self.counts.view(-1).scatter_add_(0, offsets + tokens, ones)
+            self._flat_counts.scatter_add_(0, offsets + tokens, ones)
             return
         which = self._upload("counted rows", np.concatenate([rows, counted]),
                              lambda: np.nonzero(counted)[0])
