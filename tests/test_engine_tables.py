@@ -65,3 +65,31 @@ def test_host_page_table_follows_the_device_table(tiny_models: dict[str, Path],
                               admit={k: v[:1] for k, v in GREEDY.items()})).wait()
     np.testing.assert_array_equal(engine.host_page_table, engine.page_table.numpy())
     assert engine.host_page_table[0, 0] == 9
+
+
+def test_a_batch_uploads_its_sampling_parameters_once(tiny_models: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    """Steps of an unchanged batch reuse its sampling parameters on the device; only the torch
+    path's draws follow the positions. An admission (a row taking a new request) uploads the
+    batch's values again."""
+    from minisgl_backend.engine.sampler import seeded_uniform_host
+
+    engine = Engine(EngineConfig(model_dir=str(tiny_models["llama"]), device="cpu",
+                                 page_size=PAGE_SIZE, max_running_requests=3,
+                                 max_total_tokens=64), 0, str(tmp_path / "store"))
+    sampled = {"temperature": [0.8, 1.2], "top_k": [-1, 5], "top_p": [1.0, 0.9], "seed": [3, 4]}
+    engine._admit(StepMessage(is_prefill=True, admit_rows=[0, 1], admit=sampled))
+    rows, logits = np.array([0, 1]), torch.zeros(2, 8)
+    steps = [engine._sampling_tensors(logits, rows, torch.tensor(p), np.array(p))
+             for p in ([5, 6], [6, 7])]
+    assert steps[1].temperature is steps[0].temperature and steps[1].seed is steps[0].seed
+    for step, positions in zip(steps, ([5, 6], [6, 7])):
+        assert step.uniform is not None
+        np.testing.assert_array_equal(step.uniform.numpy(),
+                                      seeded_uniform_host(np.array([3, 4]), np.array(positions)))
+    assert steps[0].any_filtered and not steps[0].all_greedy
+    engine._admit(StepMessage(is_prefill=True, admit_rows=[1], admit={
+        "temperature": [0.0], "top_k": [-1], "top_p": [1.0], "seed": [9]}))
+    after = engine._sampling_tensors(logits, rows, torch.tensor([7, 1]), np.array([7, 1]))
+    assert after.temperature.tolist() == [0.8, 0.0] and after.seed.tolist() == [3, 9]
+    assert not after.any_filtered  # row 1's top-k and top-p went with its request

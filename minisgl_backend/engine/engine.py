@@ -78,6 +78,19 @@ class StartedStep:
 
 
 @dataclass
+class _BatchSampling:
+    """A batch's sampling parameters on the device (`Engine._keep_batch_sampling`)."""
+
+    top_k: torch.Tensor  # [bs] int64
+    seed: torch.Tensor  # [bs] int64
+    temperature: torch.Tensor  # [bs] float64
+    top_p: torch.Tensor  # [bs] float64
+    seeds: np.ndarray  # [bs] int64 on the host: the torch path draws from them each step
+    all_greedy: bool
+    any_filtered: bool  # some row not greedy uses top-k / top-p
+
+
+@dataclass
 class _HostBuffers:
     """Page-locked host memory a step's results are copied into without blocking: the sampled
     ids and the log-probability table. Two sets: step N+1 is launched before step N's results
@@ -216,9 +229,10 @@ class Engine:
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
         self.row_long = np.zeros(num_rows, dtype=bool)  # KV in LongRoPE's long frequencies
-        # Sampling parameters per row, on the host: each sampled step uploads its rows' values
-        # (and their seeded uniforms) in two copies.
+        # Sampling parameters per row, on the host: a batch's values are uploaded once until the
+        # next admission (`_keep_batch_sampling`).
         self.row_params = RowParams(num_rows)
+        self._batch_sampling: dict[bytes, _BatchSampling] = {}  # by the batch's rows
         self.controls = LogitControls(self.row_params, num_rows, self.model_config.vocab_size,
                                       self.token_pool)
         self.row_greedy = np.ones(num_rows, dtype=bool)
@@ -383,6 +397,7 @@ class Engine:
         self.row_len[rows] = 0
         self.row_long[rows] = False
         self.row_params.admit(rows, msg.admit)
+        self._batch_sampling.clear()
         temps, top_k = self.row_params["temperature"][rows], self.row_params["top_k"][rows]
         self.row_greedy[rows] = (temps == 0) | (top_k == 1)
         self.row_filtered[rows] = (top_k > 0) | (self.row_params["top_p"][rows] < 1.0)
@@ -504,20 +519,34 @@ class Engine:
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
                           host_positions: np.ndarray) -> SamplingTensors:
-        """The samples' parameters on the device, in one copy. `positions` (device) and
-        `host_positions` are those of the tokens being sampled."""
+        """The samples' parameters on the device. `positions` (device) and `host_positions`
+        are those of the tokens being sampled: only the torch path's draws change per step."""
+        kept = self._batch_sampling.get(rows.tobytes())
+        if kept is None:
+            kept = self._keep_batch_sampling(rows)
+        uniform = None
+        if not samples_in_kernel(logits, kept.any_filtered):  # the torch path's uniform draws
+            uniform = host_to_device(seeded_uniform_host(kept.seeds, host_positions),
+                                     self.device)
+        return SamplingTensors(
+            temperature=kept.temperature, top_k=kept.top_k, top_p=kept.top_p, seed=kept.seed,
+            position=positions, uniform=uniform, all_greedy=kept.all_greedy,
+            any_filtered=kept.any_filtered)
+
+    def _keep_batch_sampling(self, rows: np.ndarray) -> _BatchSampling:
+        """The rows' sampling parameters uploaded in one copy, kept until the next admission
+        (a decode batch keeps its rows from step to step, and only admissions change them)."""
+        if len(self._batch_sampling) >= 64:  # many batch shapes in a row: start over
+            self._batch_sampling.clear()
         p = self.row_params
-        greedy, filtered = self.row_greedy[rows], self.row_filtered[rows]
-        any_filtered = bool((filtered & ~greedy).any())
+        greedy = self.row_greedy[rows]
         seeds = p["seed"][rows]
         # One int64 copy: the float64 values travel as their bits.
-        host = [p["top_k"][rows], seeds, p["temperature"][rows].view(np.int64),
-                p["top_p"][rows].view(np.int64)]
-        if not samples_in_kernel(logits, any_filtered):  # the torch path's uniform draws
-            host.append(seeded_uniform_host(seeds, host_positions).view(np.int64))
-        top_k, seed, temperature, top_p, *uniform = stack_to_device(host, self.device)
-        return SamplingTensors(
-            temperature=temperature.view(torch.float64), top_k=top_k,
-            top_p=top_p.view(torch.float64), seed=seed, position=positions,
-            uniform=uniform[0].view(torch.float64) if uniform else None,
-            all_greedy=bool(greedy.all()), any_filtered=any_filtered)
+        top_k, seed, temperature, top_p = stack_to_device(
+            [p["top_k"][rows], seeds, p["temperature"][rows].view(np.int64),
+             p["top_p"][rows].view(np.int64)], self.device)
+        kept = self._batch_sampling[rows.tobytes()] = _BatchSampling(
+            top_k=top_k, seed=seed, temperature=temperature.view(torch.float64),
+            top_p=top_p.view(torch.float64), seeds=seeds, all_greedy=bool(greedy.all()),
+            any_filtered=bool((self.row_filtered[rows] & ~greedy).any()))
+        return kept
