@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Put another commit's engine into .carry/base, for side-by-side runs on the H200 host: a device
+# call carries .carry, and a command there runs the base with PYTHONPATH=$PWD/.carry/base first
+# (the scripts stay the working tree's). The benchmark's tokenizers come along, because
+# `minisgl_backend.benchmark.tokenizer` looks for them next to the package.
+#
+#   benchmark/pack_base.sh HEAD                   # before changing the engine
+#   PYTHONPATH=$PWD/.carry/base:$PYTHONPATH python3 scripts/bench_sampling_controls.py ...
+set -eu
+cd "$(dirname "$0")/.."
+commit=${1:?usage: benchmark/pack_base.sh COMMIT}
+rm -rf .carry/base && mkdir -p .carry/base
+git archive "$commit" kernels minisgl_backend benchmark/tokenizers | tar -x -C .carry/base
+du -sh .carry/base
