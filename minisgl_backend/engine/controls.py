@@ -107,8 +107,9 @@ class _EditRows:
 
 
 class LogitControls:
-    """The controls of one engine. `apply` edits a step's logits in place before sampling;
-    `record` updates the penalty counts from the sampled tokens."""
+    """The controls of one engine. `apply` edits a step's logits before sampling (in place,
+    or into a copy when the raw logits must stay for log-probabilities); `record` updates the
+    penalty counts from the sampled tokens."""
 
     def __init__(self, params: RowParams, num_rows: int, vocab_size: int,
                  token_pool: torch.Tensor) -> None:
