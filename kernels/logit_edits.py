@@ -12,8 +12,8 @@ model's whole decode step can spare, so here:
   its chunk, it adds the row's bias entries and sets to -inf the last token of every bad-word
   sequence whose prefix ends the row so far (read from the engine's token pool). Last, for a
   min_p row, it writes the chunk's largest edited logit.
-* `apply_min_p_floor`: a min_p row's logits below its largest plus `offset` (temperature x
-  log(min_p)) become -inf.
+* then, for min_p rows (`_min_p_floor_kernel`, also launched by `apply_edits`): the logits
+  below the row's largest plus its offset (temperature x log(min_p)) become -inf.
 
 The arithmetic is the torch path's: penalties in float32 (a seen token's positive logit
 divided by the repetition penalty, a negative one multiplied, then `frequency * count +
@@ -37,6 +37,10 @@ PENALTIES, BIAS, BANS, MIN_P = 1, 2, 4, 8
 REPETITION, PRESENCE, FREQUENCY, MIN_P_OFFSET = 0, 1, 2, 3
 FACTORS = 4
 CHUNK = 4096  # vocabulary entries per program (a power of two)
+# The same, as the kernels read them.
+_PENALTIES, _BIAS, _BANS, _MIN_P = (tl.constexpr(bit) for bit in (PENALTIES, BIAS, BANS, MIN_P))
+_REPETITION, _PRESENCE, _FREQUENCY, _MIN_P_OFFSET, _FACTORS = (
+    tl.constexpr(col) for col in (REPETITION, PRESENCE, FREQUENCY, MIN_P_OFFSET, FACTORS))
 
 
 @dataclass
@@ -75,7 +79,7 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
     cols = start + tl.arange(0, CHUNK_SIZE)
     inside = cols < vocab
     row = dst_ptr + b * dst_stride
-    penalized = ((flags & 1) != 0) & HAS_PENALTIES
+    penalized = ((flags & _PENALTIES) != 0) & HAS_PENALTIES
     if penalized | COPY:  # the dense pass: every logit of the chunk read once, written once
         x = tl.load(src_ptr + b * src_stride + cols, mask=inside)
         if penalized:
@@ -83,14 +87,15 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
             count = tl.load(counts_ptr + r * state_stride + cols, mask=inside, other=0)
             seen = (count > 0) | (tl.load(in_prompt_ptr + r * state_stride + cols,
                                           mask=inside, other=0) != 0)
-            rep = tl.load(factors_ptr + i * 4)
+            factors = factors_ptr + i * _FACTORS
+            rep = tl.load(factors + _REPETITION)
             y = tl.where(seen, tl.where(y > 0, y / rep, y * rep), y)
-            y = y - tl.load(factors_ptr + i * 4 + 2) * count.to(tl.float32) \
-                - tl.load(factors_ptr + i * 4 + 1) * (count > 0).to(tl.float32)
+            y = y - tl.load(factors + _FREQUENCY) * count.to(tl.float32) \
+                - tl.load(factors + _PRESENCE) * (count > 0).to(tl.float32)
             x = y.to(x.dtype)
         tl.store(row + cols, x, mask=inside)
     if HAS_BIAS:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
-        if (flags & 2) != 0:
+        if (flags & _BIAS) != 0:
             tl.debug_barrier()  # the dense pass's stores first
             w = tl.arange(0, BLOCK_W)
             ids = tl.load(bias_ids_ptr + r * bias_stride + w, mask=w < bias_width, other=0)
@@ -103,7 +108,7 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
             value = values.to(dst_ptr.dtype.element_ty).to(tl.float32)
             tl.store(row + ids, (y + value).to(dst_ptr.dtype.element_ty), mask=mine)
     if HAS_BANS:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
-        if (flags & 4) != 0:
+        if (flags & _BANS) != 0:
             tl.debug_barrier()  # a ban of a token comes after its bias
             s = tl.arange(0, BLOCK_S)[:, None]
             j = tl.arange(0, BLOCK_L)[None, :]
@@ -123,7 +128,7 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
             tl.store(row + tl.maximum(last, 0), minus_inf.to(dst_ptr.dtype.element_ty),
                      mask=ban)
     if HAS_MIN_P:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
-        if (flags & 8) != 0:
+        if (flags & _MIN_P) != 0:
             tl.debug_barrier()  # the chunk as edited
             y = tl.load(row + cols, mask=inside, other=float("-inf")).to(tl.float32)
             tl.store(max_ptr + i * num_chunks + chunk, tl.max(y, 0))
@@ -135,10 +140,10 @@ def _min_p_floor_kernel(logits_ptr, logits_stride, program_rows_ptr, num_program
                         CHUNKS_P2: tl.constexpr):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
-    if (tl.load(program_rows_ptr + num_programs + i) & 8) != 0:
+    if (tl.load(program_rows_ptr + num_programs + i) & _MIN_P) != 0:
         row = logits_ptr + tl.load(program_rows_ptr + i) * logits_stride
         _, _, row_max = row_chunk_max(max_ptr, i, num_chunks, CHUNKS_P2)
-        floor = row_max + tl.load(factors_ptr + i * 4 + 3)
+        floor = row_max + tl.load(factors_ptr + i * _FACTORS + _MIN_P_OFFSET)
         cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
         x = tl.load(row + cols, mask=cols < vocab, other=0.0)
         # The whole chunk written back, kept logits too: a store masked per logit is not
