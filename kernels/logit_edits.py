@@ -48,7 +48,7 @@ class EditTables:
     """The engine's device state the edits read, per table row (None: no row uses it)."""
 
     counts: torch.Tensor | None  # [rows, vocab] int32: output tokens generated
-    in_prompt: torch.Tensor | None  # [rows, vocab] bool or uint8: tokens of the prompt
+    in_prompt: torch.Tensor | None  # [rows, vocab] uint8 (the bool mask's bytes): prompt tokens
     bias: tuple[torch.Tensor, torch.Tensor] | None  # ids [rows, width] int64, values float32
     bans: torch.Tensor | None  # [rows, sequences, length] int64, right-aligned, -1 padded
     token_pool: torch.Tensor  # [rows, positions] int32: each row's tokens so far
@@ -178,8 +178,7 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
         counts, in_prompt = pool, pool  # never read
     else:
         assert counts.stride(0) == in_prompt.stride(0) and counts.stride(1) == 1
-        if in_prompt.dtype == torch.bool:
-            in_prompt = in_prompt.view(torch.uint8)
+        assert in_prompt.dtype == torch.uint8
     ids, values = tables.bias if flags & BIAS and tables.bias is not None else (pool, pool)
     width = ids.shape[1] if flags & BIAS else 1
     bans = tables.bans if flags & BANS and tables.bans is not None else pool
