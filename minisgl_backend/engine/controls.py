@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +47,31 @@ class RowParams:
         """Rows start new requests: each control takes the sent value (or its default)."""
         for name, array in self.arrays.items():
             array[rows] = values[name] if name in values else self.defaults[name]
+
+
+T = TypeVar("T")
+
+
+class PerBatch:
+    """Values made once per (what, a batch's rows) and kept until `clear`: decode steps of an
+    unchanged batch make nothing again, and an admission, which changes rows' settings,
+    clears them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # values kept at most (many batch shapes in a row: start over)
+        self._kept: dict[tuple[str, bytes], Any] = {}
+
+    def get(self, what: str, rows: np.ndarray, make: Callable[[], T]) -> T:
+        key = (what, rows.tobytes())
+        found = self._kept.get(key)
+        if found is None:
+            if len(self._kept) >= self.limit:
+                self._kept.clear()
+            found = self._kept[key] = make()
+        return found
+
+    def clear(self) -> None:
+        self._kept.clear()
 
 
 def _host_dtype(dtype: str) -> type:
@@ -137,26 +162,14 @@ class LogitControls:
         # [rows, sequences, length] int64: bad-word sequences right-aligned (the banned token
         # last), -1 where a shorter sequence has no token; a row's unused sequences are all -1.
         self.ban_tokens: torch.Tensor | None = None
-        # Per-batch device copies of host values (row indices, factors), by what they are and
-        # the batch's rows: decode steps of an unchanged batch upload nothing. Admissions
-        # change the rows' settings, so they clear it.
-        self._uploads: dict[tuple[str, bytes], Any] = {}
+        # Per-batch device copies of host values (row indices, factors), by what they are.
+        self._uploads = PerBatch(limit=256)
         self._lp_buffers: dict[tuple[int, int], _LogprobBuffers] = {}  # (rows, top)
 
     def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """`make()` on the device, uploaded once per (what, key) until the next admission."""
-        return self._kept(what, key, lambda: host_to_device(make(), self.device, dtype))
-
-    def _kept(self, what: str, key: np.ndarray, make: Callable[[], Any]) -> Any:
-        """`make()`, made once per (what, key) until the next admission."""
-        cache_key = (what, key.tobytes())
-        found = self._uploads.get(cache_key)
-        if found is None:
-            if len(self._uploads) >= 256:  # many batch shapes in a row: start over
-                self._uploads.clear()
-            found = self._uploads[cache_key] = make()
-        return found
+        return self._uploads.get(what, key, lambda: host_to_device(make(), self.device, dtype))
 
     # ----- admission ---------------------------------------------------------------------
 
@@ -376,8 +389,8 @@ class LogitControls:
         (`kernels/logit_edits.py`)."""
         from kernels.logit_edits import apply_edits
 
-        edits = self._kept("edit rows" if keep_raw else "edited rows", rows,
-                           lambda: self._edit_rows(rows, keep_raw))
+        edits = self._uploads.get("edit rows" if keep_raw else "edited rows", rows,
+                                  lambda: self._edit_rows(rows, keep_raw))
         out = torch.empty_like(logits) if keep_raw else logits
         apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
                     edits.tables, edits.flags, chunk_max=edits.chunk_max)
@@ -489,7 +502,7 @@ class LogitControls:
         if counted.all():
             # Two calls: the rows' offsets in the flat counts and the ones to add are kept
             # per batch (index_put_ with accumulate sorts its indices: ten times the host time).
-            offsets, ones = self._kept("count rows", rows, lambda: (
+            offsets, ones = self._uploads.get("count rows", rows, lambda: (
                 host_to_device(rows * self.vocab_size, self.device),
                 host_to_device(np.ones(len(rows), dtype=np.int32), self.device)))
             self._flat_counts.scatter_add_(0, offsets + tokens, ones)

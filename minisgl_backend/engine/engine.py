@@ -21,7 +21,13 @@ from minisgl_backend.core import MAX_LOGPROBS, Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
-from minisgl_backend.engine.controls import LogitControls, LogprobReport, RawLogprobs, RowParams
+from minisgl_backend.engine.controls import (
+    LogitControls,
+    LogprobReport,
+    PerBatch,
+    RawLogprobs,
+    RowParams,
+)
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
@@ -232,7 +238,7 @@ class Engine:
         # Sampling parameters per row, on the host: a batch's values are uploaded once until the
         # next admission (`_keep_batch_sampling`).
         self.row_params = RowParams(num_rows)
-        self._batch_sampling: dict[bytes, _BatchSampling] = {}  # by the batch's rows
+        self._batch_sampling = PerBatch(limit=64)
         self.controls = LogitControls(self.row_params, num_rows, self.model_config.vocab_size,
                                       self.token_pool)
         self.row_greedy = np.ones(num_rows, dtype=bool)
@@ -521,9 +527,7 @@ class Engine:
                           host_positions: np.ndarray) -> SamplingTensors:
         """The samples' parameters on the device. `positions` (device) and `host_positions`
         are those of the tokens being sampled: only the torch path's draws change per step."""
-        kept = self._batch_sampling.get(rows.tobytes())
-        if kept is None:
-            kept = self._keep_batch_sampling(rows)
+        kept = self._batch_sampling.get("sampling", rows, lambda: self._keep_batch_sampling(rows))
         uniform = None
         if not samples_in_kernel(logits, kept.any_filtered):  # the torch path's uniform draws
             uniform = host_to_device(seeded_uniform_host(kept.seeds, host_positions),
@@ -536,8 +540,6 @@ class Engine:
     def _keep_batch_sampling(self, rows: np.ndarray) -> _BatchSampling:
         """The rows' sampling parameters uploaded in one copy, kept until the next admission
         (a decode batch keeps its rows from step to step, and only admissions change them)."""
-        if len(self._batch_sampling) >= 64:  # many batch shapes in a row: start over
-            self._batch_sampling.clear()
         p = self.row_params
         greedy = self.row_greedy[rows]
         seeds = p["seed"][rows]
@@ -545,8 +547,7 @@ class Engine:
         top_k, seed, temperature, top_p = stack_to_device(
             [p["top_k"][rows], seeds, p["temperature"][rows].view(np.int64),
              p["top_p"][rows].view(np.int64)], self.device)
-        kept = self._batch_sampling[rows.tobytes()] = _BatchSampling(
+        return _BatchSampling(
             top_k=top_k, seed=seed, temperature=temperature.view(torch.float64),
             top_p=top_p.view(torch.float64), seeds=seeds, all_greedy=bool(greedy.all()),
             any_filtered=bool((self.row_filtered[rows] & ~greedy).any()))
-        return kept
