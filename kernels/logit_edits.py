@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 from kernels.sampling import row_chunk_max
 
 # Bits of a program row's flags: which edits it applies.
@@ -57,7 +58,7 @@ class EditTables:
 def min_p_scratch(rows: int, vocab: int, device: torch.device, chunk: int = CHUNK
                   ) -> torch.Tensor:
     """`apply_edits`' working memory for min_p rows: each chunk's largest edited logit."""
-    return torch.empty(rows, triton.cdiv(vocab, chunk), dtype=torch.float32, device=device)
+    return torch.empty(rows, cdiv(vocab, chunk), dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -152,6 +153,10 @@ def _min_p_floor_kernel(logits_ptr, logits_stride, program_rows_ptr, num_program
         tl.store(row + cols, y.to(x.dtype), mask=cols < vocab)
 
 
+_launch_edits = DirectLaunch(_edit_kernel)
+_launch_min_p_floor = DirectLaunch(_min_p_floor_kernel)
+
+
 def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Tensor,
                 table_rows: torch.Tensor, next_positions: torch.Tensor, factors: torch.Tensor,
                 tables: EditTables, flags: int, chunk: int = CHUNK,
@@ -171,7 +176,7 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
         return
     copy = out is not logits
     assert logits.stride(1) == 1 and out.stride(1) == 1
-    num_chunks = triton.cdiv(vocab, chunk)
+    num_chunks = cdiv(vocab, chunk)
     pool = tables.token_pool
     counts, in_prompt = tables.counts, tables.in_prompt
     if not flags & PENALTIES or counts is None or in_prompt is None:
@@ -186,17 +191,17 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
     if chunk_max is None:
         chunk_max = (min_p_scratch(m, vocab, logits.device, chunk) if flags & MIN_P
                      else factors)
-    _edit_kernel[(m, num_chunks)](
+    _launch_edits((m, num_chunks),
         logits, logits.stride(0), out, out.stride(0), program_rows, m,
         table_rows, next_positions, factors, counts, in_prompt, counts.stride(0),
         ids, values, ids.stride(0), width, bans, bans.stride(0), seqs, length,
         pool, pool.stride(0), chunk_max, num_chunks, vocab,
         COPY=copy, HAS_PENALTIES=bool(flags & PENALTIES), HAS_BIAS=bool(flags & BIAS),
         HAS_BANS=bool(flags & BANS), HAS_MIN_P=bool(flags & MIN_P), CHUNK_SIZE=chunk,
-        BLOCK_W=triton.next_power_of_2(width), BLOCK_S=triton.next_power_of_2(seqs),
-        BLOCK_L=triton.next_power_of_2(length), num_warps=4)
+        BLOCK_W=next_power_of_2(width), BLOCK_S=next_power_of_2(seqs),
+        BLOCK_L=next_power_of_2(length), num_warps=4)
     if flags & MIN_P:
-        _min_p_floor_kernel[(m, num_chunks)](
+        _launch_min_p_floor((m, num_chunks),
             out, out.stride(0), program_rows, m, factors, chunk_max, vocab, num_chunks,
-            CHUNK_SIZE=chunk, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
+            CHUNK_SIZE=chunk, CHUNKS_P2=max(2, next_power_of_2(num_chunks)),
             num_warps=4)

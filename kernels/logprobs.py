@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 from kernels.sampling import row_chunk_mass, row_chunk_max
 
 NO_KEY = tl.constexpr(-(2**63))  # below every key: a dropped or padding candidate
@@ -118,6 +119,10 @@ def _row_top_kernel(max_ptr, sum_ptr, cand_ptr, lse_ptr, out_val_ptr, out_id_ptr
         cand = tl.where(cand == best, NO_KEY, cand)
 
 
+_launch_chunk_top = DirectLaunch(_chunk_top_kernel)
+_launch_row_top = DirectLaunch(_row_top_kernel)
+
+
 @dataclass
 class LogprobScratch:
     """The kernels' working memory for `rows` rows of `vocab` logits and `top` tokens: one
@@ -132,7 +137,7 @@ class LogprobScratch:
     @classmethod
     def allocate(cls, rows: int, vocab: int, top: int, device: torch.device,
                  chunk: int = 4096) -> LogprobScratch:
-        num_chunks = triton.cdiv(vocab, chunk)
+        num_chunks = cdiv(vocab, chunk)
         return cls(torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
                    torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
@@ -169,16 +174,16 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
         return scratch.lse, top_lp, top_ids
     num_chunks = scratch.chunk_max.shape[1]
     assert scratch.cand.shape == (rows, num_chunks, max(top, 1)) and \
-        num_chunks == triton.cdiv(vocab, chunk), "scratch of another shape"
+        num_chunks == cdiv(vocab, chunk), "scratch of another shape"
     tokens, token_out = sampled if sampled is not None else (scratch.lse, scratch.lse)
-    _chunk_top_kernel[(rows, num_chunks)](
+    _launch_chunk_top((rows, num_chunks),
         logits, logits.stride(0), scratch.chunk_max, scratch.chunk_sum, scratch.cand, vocab,
         num_chunks, top, CHUNK=chunk, GROUP=min(GROUP, chunk),
-        TOP_P2=triton.next_power_of_2(top) if top else 0, num_warps=4)
-    _row_top_kernel[(rows,)](
+        TOP_P2=next_power_of_2(top) if top else 0, num_warps=4)
+    _launch_row_top((rows,),
         scratch.chunk_max, scratch.chunk_sum, scratch.cand, scratch.lse, top_lp, top_ids,
         top_lp.stride(0), num_chunks, top, logits, logits.stride(0), tokens, token_out,
-        token_out.stride(0), CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)),
-        CANDS_P2=max(2, triton.next_power_of_2(num_chunks * max(top, 1))),
+        token_out.stride(0), CHUNKS_P2=max(2, next_power_of_2(num_chunks)),
+        CANDS_P2=max(2, next_power_of_2(num_chunks * max(top, 1))),
         SAMPLED=sampled is not None, num_warps=4)
     return scratch.lse, top_lp, top_ids

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
+
 # `minisgl_backend.engine.sampler.seeded_uniform`'s constants as int64 (its multipliers as
 # their residues below 2**31, so that no product overflows).
 _MASK32 = tl.constexpr(0xFFFFFFFF)
@@ -133,6 +135,10 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr
         tl.store(out_ptr + row, tl.where(pick < vocab, pick, last_kept).to(tl.int64))
 
 
+_launch_chunk_stats = DirectLaunch(_chunk_stats_kernel)
+_launch_pick = DirectLaunch(_pick_kernel)
+
+
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        uniform: torch.Tensor | None = None, chunk: int = 4096, *,
                        seed: torch.Tensor | None = None,
@@ -153,17 +159,17 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs == 0:
         return out
-    num_chunks = triton.cdiv(vocab, chunk)
+    num_chunks = cdiv(vocab, chunk)
     chunk_max = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_sum = torch.empty_like(chunk_max)
     chunk_argmax = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
     draws = (seed, position) if hashed else (uniform, uniform)
     temperature, top_k, *draws = (t.contiguous() for t in (temperature, top_k, *draws))
-    _chunk_stats_kernel[(bs, num_chunks)](
+    _launch_chunk_stats((bs, num_chunks),
         logits, logits.stride(0), temperature, top_k, chunk_max, chunk_argmax, chunk_sum, vocab,
         num_chunks, CHUNK=chunk, num_warps=4)
-    _pick_kernel[(bs,)](
+    _launch_pick((bs,),
         logits, logits.stride(0), temperature, top_k, draws[0], draws[0], draws[1], chunk_max,
         chunk_argmax, chunk_sum, out, vocab, num_chunks, CHUNK=chunk,
-        CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks)), HASHED=hashed, num_warps=4)
+        CHUNKS_P2=max(2, next_power_of_2(num_chunks)), HASHED=hashed, num_warps=4)
     return out

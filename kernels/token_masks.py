@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv
+
 BLOCK = 4096  # tokens a program covers (128 mask words)
 
 
@@ -36,6 +38,9 @@ def _apply_bitmask_kernel(logits_ptr, logits_stride, mask_ptr, mask_stride, rows
     tl.store(logits_ptr + row * logits_stride + offs, y.to(x.dtype), mask=inside)
 
 
+_launch_bitmask = DirectLaunch(_apply_bitmask_kernel)
+
+
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor,
                   rows: torch.Tensor | None = None) -> None:
     """Disallowed tokens to -inf, in place: mask row i ([n, words] int32, on the logits'
@@ -43,6 +48,6 @@ def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor,
     n, vocab = masks.shape[0], logits.shape[-1]
     if n == 0:
         return
-    _apply_bitmask_kernel[(n, triton.cdiv(vocab, BLOCK))](
+    _launch_bitmask((n, cdiv(vocab, BLOCK)),
         logits, logits.stride(0), masks, masks.stride(0), rows if rows is not None else masks,
         vocab, HAS_ROWS=rows is not None, BLOCK=BLOCK)
