@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x_tok, stride_o_tok, width,
@@ -27,6 +29,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x_tok, stride_o_tok, width,
     tl.store(out_ptr + tok * stride_o_tok + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_silu_and_mul = DirectLaunch(_silu_and_mul_kernel)
+
+
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
                  block: int = 1024) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] [tokens, 2 * width] -> [tokens, width]."""
@@ -40,6 +45,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     assert out.shape == (tokens, width) and out.stride(1) == 1
     if tokens == 0:
         return out
-    _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](
+    _launch_silu_and_mul((tokens, cdiv(width, block)),
         x, out, x.stride(0), out.stride(0), width, BLOCK=block, num_warps=4)
     return out

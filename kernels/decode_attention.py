@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.launch import DirectLaunch, next_power_of_2
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16  # tl.dot operands need every dimension >= 16
@@ -120,6 +122,9 @@ def _decode_split_kernel(
                  mask=g_mask)
 
 
+_launch_decode_split = DirectLaunch(_decode_split_kernel)
+
+
 @triton.jit
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, o_ptr,
@@ -154,6 +159,9 @@ def _decode_merge_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
+_launch_decode_merge = DirectLaunch(_decode_merge_kernel)
+
+
 @dataclass(frozen=True)
 class DecodeLaunch:
     """Tile and schedule of the decode kernel; `decode_launch` picks the defaults."""
@@ -180,7 +188,7 @@ def decode_launch(head_dim: int, dtype: torch.dtype, num_splits: int = 1) -> Dec
     return DecodeLaunch(**{**tiles, **_launch_override(os.environ.get(LAUNCH_ENV, ""))})
 
 
-@lru_cache(maxsize=None)
+@cache
 def _launch_override(text: str) -> dict[str, int]:
     fields = {"block_n", "num_warps", "num_stages"}
     override: dict[str, int] = {}
@@ -199,7 +207,7 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
     Depends only on the batch size and static settings, so a CUDA graph captured for a batch
     size keeps a valid split count whatever the lengths are at replay."""
     programs = max(1, batch_size * num_kv_heads)
-    return max(1, min(max_splits, triton.next_power_of_2(-(-target_programs // programs))))
+    return max(1, min(max_splits, next_power_of_2(-(-target_programs // programs))))
 
 
 @dataclass(frozen=True)
@@ -273,11 +281,11 @@ def decode_attention(
                                                                 head_dim)
     partial_lse = workspace.partial_lse[:partials].view(bs, num_heads, num_splits)
     group = num_heads // kv_heads
-    block_g = max(MIN_DOT, triton.next_power_of_2(group))
-    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_g = max(MIN_DOT, next_power_of_2(group))
+    block_d = max(MIN_DOT, next_power_of_2(head_dim))
+    block_s = max(2, next_power_of_2(num_splits))
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
-    _decode_split_kernel[(bs, kv_heads, num_splits)](
+    _launch_decode_split((bs, kv_heads, num_splits),
         q, k_cache, v_cache, page_table, rows, seq_lens, out, partial_o, partial_lse,
         sm_scale * LOG2E, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
@@ -289,7 +297,7 @@ def decode_attention(
         SLIDING=window > 0, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(bs, kv_heads)](
+        _launch_decode_merge((bs, kv_heads),
             partial_o, partial_lse, out,
             partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
+
 LOG2E = math.log2(math.e)
 MIN_DOT = 16  # tl.dot operands need every dimension >= 16
 
@@ -97,6 +99,9 @@ def _extend_kernel(
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+_launch_extend = DirectLaunch(_extend_kernel)
+
+
 def extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) that compile for sm_90 without register spills (the
     gathered K/V tiles carry one 64-bit address per element, so tiles stay modest)."""
@@ -156,14 +161,14 @@ def extend_attention(
     if bs == 0 or max_extend_len == 0:
         return out
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
-    grid = (bs, triton.cdiv(max_extend_len, block_m), num_heads)
-    _extend_kernel[grid](
+    grid = (bs, cdiv(max_extend_len, block_m), num_heads)
+    _launch_extend(grid,
         q, out, k_cache, v_cache, page_table, rows, seq_lens, q_starts, extend_lens,
         sm_scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
         DOT_PRECISION=precision, SLIDING=window > 0, num_warps=num_warps, num_stages=2,
     )
     return out

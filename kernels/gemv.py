@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
+
 MAX_ROWS = 16
 
 
@@ -90,6 +92,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, residual_ptr, M, N, K, eps,
         r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=out_mask)
+
+
+_launch_gemv = DirectLaunch(_gemv_kernel)
 
 
 @dataclass(frozen=True)
@@ -148,13 +153,13 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tens
     if out is None:
         out = torch.empty((rows, n), dtype=weight.dtype, device=weight.device)
     assert out.shape == (rows, n) and out.stride(1) == 1
-    _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
+    _launch_gemv((cdiv(n, launch.block_n),),
         x, weight, out, weight if norm_weight is None else norm_weight,
         out if residual is None else residual, rows, n, k, eps,
         x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0),
         NORM=norm_weight is not None, GATED=gated, ADD_RESIDUAL=residual is not None,
-        ROWS=MAX_ROWS if launch.use_dot else triton.next_power_of_2(rows),
+        ROWS=MAX_ROWS if launch.use_dot else next_power_of_2(rows),
         USE_DOT=launch.use_dot, DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
         num_stages=launch.num_stages)

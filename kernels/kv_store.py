@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, next_power_of_2
+
 
 @triton.jit
 def _kv_store_kernel(
@@ -29,6 +31,9 @@ def _kv_store_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_kv_store = DirectLaunch(_kv_store_kernel)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """k/v [tokens, kv_heads, head_dim] -> k_cache/v_cache [pool slots, kv_heads, head_dim].
@@ -47,10 +52,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.contiguous()
     if tokens == 0:
         return
-    _kv_store_kernel[(tokens,)](
+    _launch_kv_store((tokens,),
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=next_power_of_2(head_dim),
     )

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import DirectLaunch, cdiv
+
 
 @triton.jit
 def _norm_rope_heads(src, dst, mask, norm_w_ptr, cos, sin, eps,
@@ -77,6 +79,9 @@ def _qkv_prologue_kernel(
 # keeps more SMs busy; from there on, groups of 8 give each program enough work.
 MANY_TOKENS = 32
 HEADS_PER_PROGRAM_MANY_TOKENS = 8
+
+
+_launch_qkv_prologue = DirectLaunch(_qkv_prologue_kernel)
 
 
 def heads_per_program_for(tokens: int) -> int:
@@ -150,9 +155,9 @@ def fused_qk_norm_rope_store(
     # Unused pointers when there is no norm: any tensor will do.
     q_w = q_norm_weight if has_norm else cos_sin_cache
     k_w = k_norm_weight if has_norm else cos_sin_cache
-    groups = triton.cdiv(num_heads, heads_per_program) \
-        + triton.cdiv(num_kv_heads, heads_per_program)
-    _qkv_prologue_kernel[(tokens, groups)](
+    groups = cdiv(num_heads, heads_per_program) \
+        + cdiv(num_kv_heads, heads_per_program)
+    _launch_qkv_prologue((tokens, groups),
         q, k, v, positions, cos_sin_cache, out_slots, out, k_cache, v_cache, q_w, k_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), cos_sin_cache.stride(0),

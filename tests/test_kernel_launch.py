@@ -47,6 +47,12 @@ def test_kernels_it_cannot_launch_by_position_are_refused(fn) -> None:
         DirectLaunch(JITFunction(fn))
 
 
+def test_a_launch_with_too_few_arguments_names_the_kernel() -> None:
+    x = torch.zeros(4, device="cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(TypeError, match="_scale_kernel takes 4 arguments before its constexprs"):
+        DirectLaunch(_scale_kernel)((1,), x, x, 4, BLOCK=16, SQUARE=False)
+
+
 def _reference(x: torch.Tensor, factor: int, square: bool) -> torch.Tensor:
     y = x.float()
     return ((y * y if square else y) * factor).to(x.dtype)
