@@ -6,8 +6,9 @@ key, checking the kernel's globals. On an H200 host the sampling chunk kernel (n
 arguments) took 21.4 us through `kernel[grid]` and 6.4 us through its launcher alone. A decode
 step that samples with every control launches six such kernels outside the CUDA graph, and a
 small model's step cannot spare that. `DirectLaunch` calls the launcher straight once Triton
-has compiled the kernel for a key that fixes what Triton specializes on. `cdiv` and
-`next_power_of_2` are the host's: Triton's are constexpr functions, a few us a call.
+has compiled the kernel for a key that fixes what Triton specializes on (10.0 us a launch
+against 14.8 through `kernel[grid]`, on another H200 host). `cdiv` and `next_power_of_2` are
+the host's: Triton's are constexpr functions, a few us a call.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 MAX_KEYS = 1024  # compiled kernels kept per launcher (many shapes in a row: start over)
 
 
