@@ -26,6 +26,7 @@ from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.grammar.guide import (
     PARALLEL_FILL_ROWS,
     Guide,
+    accept_tokens,
     apply_token_masks,
     fill_masks,
     mask_words,
@@ -351,6 +352,29 @@ def test_batched_mask_fill_equals_each_matcher_filling_its_row(default_model: Pa
         fill_masks(guides, batched, list(range(1, rows + 1)))
         assert (batched[1:] == alone).all() and not batched[0].any()
         assert len({alone[i].tobytes() for i in range(rows)}) > 1  # the rows differ
+
+
+def test_batched_accepts_report_each_rejection_and_finished_follows(default_model: Path) -> None:
+    """accept_tokens answers per row, also when one token of the batch is rejected (its matcher
+    stays put, the others move on), and `Guide.finished`, kept between tokens, follows the
+    matcher: after the token that ends the grammar, and not before."""
+    compiled = compile_guide(default_model, SamplingParams(json_schema=SCHEMAS["nested"]))
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    text_ids = tokenizer.encode('{"user": {"name": "Ann", "tags": ["red"]}, "score": 7}',
+                                add_special_tokens=False)
+    stop = tokenizer.eos_token_id
+    guides = [Guide(compiled, {stop}) for _ in range(3)]
+    outside = tokenizer.encode("hello", add_special_tokens=False)[0]
+    assert accept_tokens(guides, [text_ids[0]] * 3) == [True, True, True]
+    assert accept_tokens(guides, [text_ids[1], outside, text_ids[1]]) == [True, False, True]
+    assert accept_tokens(guides[1:2], [text_ids[1]]) == [True]  # the rejected one stayed put
+    for token in text_ids[2:]:
+        assert not any(g.finished for g in guides)
+        assert accept_tokens(guides, [token] * 3) == [True, True, True]
+    assert not any(g.finished for g in guides)  # complete, not ended: the stop token is next
+    assert accept_tokens(guides[:2], [stop, stop]) == [True, True]
+    assert [g.finished for g in guides] == [True, True, False]
+    assert guides[2].accept(stop) and guides[2].finished
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
