@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from minisgl_backend.engine.mask_buffer import MaskBuffer
-from minisgl_backend.grammar.guide import Guide, new_matcher
+from minisgl_backend.grammar.guide import Guide, batch_accept, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -306,11 +306,9 @@ def _serve(conn: Connection, slots: int, words: int) -> None:
 def _follow(matchers: list[Any], tokens: list[list[int]]) -> None:
     """Each mirror accepts its matcher's tokens since the last order: one batch call for the
     usual single token, one call a token otherwise."""
-    import xgrammar as xgr
-
     single = [i for i, toks in enumerate(tokens) if len(toks) == 1]
-    if single and not all(xgr.BatchGrammarMatcher.batch_accept_token(
-            [matchers[i] for i in single], [tokens[i][0] for i in single])):
+    if single and not all(batch_accept([matchers[i] for i in single],
+                                       [tokens[i][0] for i in single])):
         raise RuntimeError("a mirror refused its matcher's token")
     for matcher, toks in zip(matchers, tokens):
         if len(toks) > 1 and not all(matcher.accept_token(token) for token in toks):

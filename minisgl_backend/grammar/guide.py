@@ -108,14 +108,14 @@ def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
     """`Guide.accept` of `tokens[i]` by `guides[i]` for every i, in one call of xgrammar."""
     if not guides:
         return []
-    accepted = _batch_accept([g.matcher for g in guides], tokens)
+    accepted = batch_accept([g.matcher for g in guides], tokens)
     for guide, token, ok in zip(guides, tokens, accepted):
         if ok:
             guide.followed(token)
     return accepted
 
 
-def _batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+def batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
     """xgrammar's batch accept. Its own wrapper reads the result array one element at a time
     through tvm_ffi, about 2 us each: at 64 rows as long as the accepts themselves. A masked
     row cannot sample a token its grammar rejects, so one containment test (one call; the
