@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import DirectLaunch, next_power_of_2
+from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16  # tl.dot operands need every dimension >= 16
@@ -207,7 +207,7 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_splits: int,
     Depends only on the batch size and static settings, so a CUDA graph captured for a batch
     size keeps a valid split count whatever the lengths are at replay."""
     programs = max(1, batch_size * num_kv_heads)
-    return max(1, min(max_splits, next_power_of_2(-(-target_programs // programs))))
+    return max(1, min(max_splits, next_power_of_2(cdiv(target_programs, programs))))
 
 
 @dataclass(frozen=True)

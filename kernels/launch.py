@@ -20,7 +20,8 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
-from triton.runtime.jit import JITFunction
+
+from kernels import is_interpreted
 
 MAX_KEYS = 1024  # compiled kernels kept per launcher (many shapes in a row: start over)
 
@@ -47,7 +48,7 @@ class DirectLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         # The interpreter's kernels (TRITON_INTERPRET=1) are launched through Triton.
-        self.compiles = isinstance(kernel, JITFunction)
+        self.compiles = not is_interpreted(kernel)
         params = list(inspect.signature(kernel.fn).parameters.values())
         self.constexprs = tuple(p.name for p in params if "constexpr" in str(p.annotation))
         self.num_args = len(params) - len(self.constexprs)
