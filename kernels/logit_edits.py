@@ -6,12 +6,19 @@ bias tables gathered and scattered, the bad-word context compared, min_p's max, 
 fill. On a GPU each launch costs the engine's host thread 10-20 us, about as much as a small
 model's whole decode step can spare, so here:
 
-* `apply_edits`: programs over (row, vocabulary chunk). Each reads its chunk once, applies the
-  row's penalties (from its generated-token counts and prompt mask) and writes it to the
-  output, which may be a copy (the raw logits then stay for log-probabilities). Then, within
-  its chunk, it adds the row's bias entries and sets to -inf the last token of every bad-word
-  sequence whose prefix ends the row so far (read from the engine's token pool). Last, for a
-  min_p row, it writes the chunk's largest edited logit.
+* `apply_edits`: programs over (row, vocabulary chunk). Each writes its chunk to the output,
+  which may be a copy (the raw logits then stay for log-probabilities), and applies the row's
+  penalties in one of two ways:
+  - sparse, for rows of at most `SPARSE_POSITIONS` tokens so far: only the tokens a row has
+    seen change, and its token pool row holds them all (the prompt came on admission), so the
+    program reads the pool, and for the ids in its chunk gathers the logits and generated
+    counts, then scatters the penalized values (repeated ids write the same value). An
+    in-place program then reads and writes a few logits, not its chunk.
+  - dense, for longer rows: the chunk read once with the row's counts and prompt mask (at 64
+    rows of Qwen3's vocabulary, 49 MB that the sparse way does not read).
+  Then, within its chunk, it adds the row's bias entries and sets to -inf the last token of
+  every bad-word sequence whose prefix ends the row so far (read from the engine's token
+  pool). Last, for a min_p row, it writes the chunk's largest edited logit.
 * then, for min_p rows (`_min_p_floor_kernel`, also launched by `apply_edits`): the logits
   below the row's largest plus its offset (temperature x log(min_p)) become -inf.
 
@@ -38,6 +45,9 @@ PENALTIES, BIAS, BANS, MIN_P = 1, 2, 4, 8
 REPETITION, PRESENCE, FREQUENCY, MIN_P_OFFSET = 0, 1, 2, 3
 FACTORS = 4
 CHUNK = 4096  # vocabulary entries per program (a power of two)
+# Rows with at most this many tokens so far take the sparse penalties (a power of two: the
+# block of pool positions a program reads; each program of the row reads them from L2).
+SPARSE_POSITIONS = 2048
 # The same, as the kernels read them.
 _PENALTIES, _BIAS, _BANS, _MIN_P = (tl.constexpr(bit) for bit in (PENALTIES, BIAS, BANS, MIN_P))
 _REPETITION, _PRESENCE, _FREQUENCY, _MIN_P_OFFSET, _FACTORS = (
@@ -62,14 +72,27 @@ def min_p_scratch(rows: int, vocab: int, device: torch.device, chunk: int = CHUN
 
 
 @triton.jit
+def _penalize(x, seen, count, factors):
+    """Logits `x` (their dtype) with the row's penalties: HF's repetition penalty on `seen`
+    tokens (positive logits divided by it, negative ones multiplied), then
+    `frequency * count + presence * (count > 0)` subtracted, in float32."""
+    y = x.to(tl.float32)
+    rep = tl.load(factors + _REPETITION)
+    y = tl.where(seen, tl.where(y > 0, y / rep, y * rep), y)
+    y = y - tl.load(factors + _FREQUENCY) * count.to(tl.float32) \
+        - tl.load(factors + _PRESENCE) * (count > 0).to(tl.float32)
+    return y.to(x.dtype)
+
+
+@triton.jit
 def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num_programs,
                  table_rows_ptr, next_pos_ptr, factors_ptr, counts_ptr, in_prompt_ptr,
                  state_stride, bias_ids_ptr, bias_values_ptr, bias_stride, bias_width, ban_ptr,
                  ban_row_stride, ban_seqs, ban_len, pool_ptr, pool_stride, max_ptr, num_chunks,
-                 vocab, COPY: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+                 vocab, sparse_limit, COPY: tl.constexpr, HAS_PENALTIES: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_BANS: tl.constexpr, HAS_MIN_P: tl.constexpr,
                  CHUNK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_L: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
     i = tl.program_id(0)
     chunk = tl.program_id(1)
     # program_rows: [2, num_programs] int64, the batch index and the flags of each program row
@@ -81,20 +104,30 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
     inside = cols < vocab
     row = dst_ptr + b * dst_stride
     penalized = ((flags & _PENALTIES) != 0) & HAS_PENALTIES
-    if penalized | COPY:  # the dense pass: every logit of the chunk read once, written once
+    seen_so_far = tl.load(next_pos_ptr + b).to(tl.int64)  # the row's tokens: pool[:next]
+    sparse = seen_so_far <= sparse_limit
+    factors = factors_ptr + i * _FACTORS
+    dense_penalties = penalized & (seen_so_far > sparse_limit)
+    if dense_penalties | COPY:  # the dense pass: every logit of the chunk read once, written once
         x = tl.load(src_ptr + b * src_stride + cols, mask=inside)
-        if penalized:
-            y = x.to(tl.float32)
+        if dense_penalties:
             count = tl.load(counts_ptr + r * state_stride + cols, mask=inside, other=0)
             seen = (count > 0) | (tl.load(in_prompt_ptr + r * state_stride + cols,
                                           mask=inside, other=0) != 0)
-            factors = factors_ptr + i * _FACTORS
-            rep = tl.load(factors + _REPETITION)
-            y = tl.where(seen, tl.where(y > 0, y / rep, y * rep), y)
-            y = y - tl.load(factors + _FREQUENCY) * count.to(tl.float32) \
-                - tl.load(factors + _PRESENCE) * (count > 0).to(tl.float32)
-            x = y.to(x.dtype)
+            x = _penalize(x, seen, count, factors)
         tl.store(row + cols, x, mask=inside)
+    if HAS_PENALTIES:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
+        if penalized & sparse:
+            p = tl.arange(0, BLOCK_P)
+            ids = tl.load(pool_ptr + r * pool_stride + p, mask=p < seen_so_far, other=-1)
+            mine = (ids >= start) & (ids < start + CHUNK_SIZE)
+            x = tl.load(src_ptr + b * src_stride + ids, mask=mine)
+            count = tl.load(counts_ptr + r * state_stride + ids, mask=mine, other=0)
+            x = _penalize(x, mine, count, factors)
+            # Every gather before any scatter: in place, a repeated id must read the raw
+            # logit; and a copy's dense pass stores first.
+            tl.debug_barrier()
+            tl.store(row + ids, x, mask=mine)
     if HAS_BIAS:  # noqa: SIM102 - a constexpr test: the block compiles in only if used
         if (flags & _BIAS) != 0:
             tl.debug_barrier()  # the dense pass's stores first
@@ -117,7 +150,7 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
                             mask=(s < ban_seqs) & (j < ban_len), other=-1)
             # Column j < ban_len - 1 of a sequence must equal the token at position
             # next - (ban_len - 1) + j (-1: a shorter sequence, matches anything).
-            pos = tl.load(next_pos_ptr + b).to(tl.int64) - (ban_len - 1) + j
+            pos = seen_so_far - (ban_len - 1) + j
             context = tl.load(pool_ptr + r * pool_stride + pos,
                               mask=(pos >= 0) & (j < ban_len - 1), other=-2).to(tl.int64)
             prefix_ok = (table == context) | (table < 0) | (j >= ban_len - 1)
@@ -160,7 +193,8 @@ _launch_min_p_floor = DirectLaunch(_min_p_floor_kernel)
 def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Tensor,
                 table_rows: torch.Tensor, next_positions: torch.Tensor, factors: torch.Tensor,
                 tables: EditTables, flags: int, chunk: int = CHUNK,
-                chunk_max: torch.Tensor | None = None) -> None:
+                chunk_max: torch.Tensor | None = None,
+                sparse_limit: int = SPARSE_POSITIONS) -> None:
     """Edit rows of `logits` [bs, vocab] (unit stride along the vocabulary) into `out` (the
     same tensor: in place; another of its shape: a copy, and every program row is written).
 
@@ -170,12 +204,14 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
     entry's table row and the position of the token it samples. `flags`: the union of the
     rows' flags (the kernels compile in only what some row uses). `chunk`: vocabulary entries
     per program (a power of two). `chunk_max`: float32 [m, vocabulary chunks], min_p's working
-    memory (made here if None)."""
+    memory (made here if None). `sparse_limit`: rows with at most this many tokens so far
+    (up to `SPARSE_POSITIONS`) take the sparse penalties, longer ones the dense."""
     m, vocab = program_rows.shape[1], logits.shape[1]
     if m == 0:
         return
     copy = out is not logits
     assert logits.stride(1) == 1 and out.stride(1) == 1
+    assert 0 <= sparse_limit <= SPARSE_POSITIONS
     num_chunks = cdiv(vocab, chunk)
     pool = tables.token_pool
     counts, in_prompt = tables.counts, tables.in_prompt
@@ -195,11 +231,12 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
         logits, logits.stride(0), out, out.stride(0), program_rows, m,
         table_rows, next_positions, factors, counts, in_prompt, counts.stride(0),
         ids, values, ids.stride(0), width, bans, bans.stride(0), seqs, length,
-        pool, pool.stride(0), chunk_max, num_chunks, vocab,
+        pool, pool.stride(0), chunk_max, num_chunks, vocab, sparse_limit,
         COPY=copy, HAS_PENALTIES=bool(flags & PENALTIES), HAS_BIAS=bool(flags & BIAS),
         HAS_BANS=bool(flags & BANS), HAS_MIN_P=bool(flags & MIN_P), CHUNK_SIZE=chunk,
         BLOCK_W=next_power_of_2(width), BLOCK_S=next_power_of_2(seqs),
-        BLOCK_L=next_power_of_2(length), num_warps=4)
+        BLOCK_L=next_power_of_2(length), BLOCK_P=max(16, next_power_of_2(sparse_limit)),
+        num_warps=4)
     if flags & MIN_P:
         _launch_min_p_floor((m, num_chunks),
             out, out.stride(0), program_rows, m, factors, chunk_max, vocab, num_chunks,

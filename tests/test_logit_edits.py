@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.logit_edits import _edit_kernel, apply_edits
+from kernels.logit_edits import SPARSE_POSITIONS, _edit_kernel, apply_edits
 from minisgl_backend.engine.controls import LogitControls, RowParams
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
@@ -97,11 +97,14 @@ def _check(got: torch.Tensor, original: torch.Tensor, expected: torch.Tensor,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1024, 4096])
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "copy"])
+@pytest.mark.parametrize("sparse_limit", [SPARSE_POSITIONS, NEXT - 1], ids=["sparse", "dense"])
 def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype, chunk: int,
-                                      copy: bool) -> None:
+                                      copy: bool, sparse_limit: int) -> None:
     """Every edit in one kernel over vocabulary chunks (5 or 2 of them: bias entries and
     bans on both sides of a chunk's edge), in place or into a copy that also holds the rows
-    without edits, while the raw logits stay as they were."""
+    without edits, while the raw logits stay as they were. The penalties either sparse (the
+    row's 40 tokens, repeated ids among them, read from the token pool) or dense (the rows
+    are one token past the limit: counts and prompt mask read over the vocabulary)."""
     original = _logits(dtype)
     expected = _torch_path(original)
     controls = _controls(device)
@@ -110,7 +113,7 @@ def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype, chunk: in
     edits = controls._edit_rows(BATCH, every_row=copy)
     apply_edits(logits, out, edits.program_rows, torch.as_tensor(BATCH, device=device),
                 torch.full((len(BATCH),), NEXT, device=device), edits.factors, edits.tables,
-                edits.flags, chunk=chunk)
+                edits.flags, chunk=chunk, sparse_limit=sparse_limit)
     _check(out.cpu(), original, expected, exact=device == "cpu" and dtype == torch.float32)
     if copy:
         assert torch.equal(logits.cpu(), original)
