@@ -19,8 +19,10 @@ model's whole decode step can spare, so here:
   Then, within its chunk, it adds the row's bias entries and sets to -inf the last token of
   every bad-word sequence whose prefix ends the row so far (read from the engine's token
   pool). Last, for a min_p row, it writes the chunk's largest edited logit.
-* then, for min_p rows (`_min_p_floor_kernel`, also launched by `apply_edits`): the logits
-  below the row's largest plus its offset (temperature x log(min_p)) become -inf.
+* then, for min_p rows, the floor (`kernels.sampling.MinPFloor`): the logits below the row's
+  largest plus its offset (temperature x log(min_p)) become -inf. `apply_edits` writes it
+  (`kernels.sampling.apply_min_p_floor`), or leaves it to the sampling kernels, which apply it
+  as they read the logits (one pass over the min_p rows' logits less).
 
 The arithmetic is the torch path's: penalties in float32 (a seen token's positive logit
 divided by the repetition penalty, a negative one multiplied, then `frequency * count +
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import DirectLaunch, cdiv, next_power_of_2
-from kernels.sampling import row_chunk_max
+from kernels.sampling import MinPFloor, apply_min_p_floor
 
 # Bits of a program row's flags: which edits it applies.
 PENALTIES, BIAS, BANS, MIN_P = 1, 2, 4, 8
@@ -67,7 +69,7 @@ class EditTables:
 
 def min_p_scratch(rows: int, vocab: int, device: torch.device, chunk: int = CHUNK
                   ) -> torch.Tensor:
-    """`apply_edits`' working memory for min_p rows: each chunk's largest edited logit."""
+    """`MinPFloor.chunk_max` of `rows` program rows: each chunk's largest edited logit."""
     return torch.empty(rows, cdiv(vocab, chunk), dtype=torch.float32, device=device)
 
 
@@ -168,32 +170,13 @@ def _edit_kernel(src_ptr, src_stride, dst_ptr, dst_stride, program_rows_ptr, num
             tl.store(max_ptr + i * num_chunks + chunk, tl.max(y, 0))
 
 
-@triton.jit
-def _min_p_floor_kernel(logits_ptr, logits_stride, program_rows_ptr, num_programs, factors_ptr,
-                        max_ptr, vocab, num_chunks, CHUNK_SIZE: tl.constexpr,
-                        CHUNKS_P2: tl.constexpr):
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if (tl.load(program_rows_ptr + num_programs + i) & _MIN_P) != 0:
-        row = logits_ptr + tl.load(program_rows_ptr + i) * logits_stride
-        _, _, row_max = row_chunk_max(max_ptr, i, num_chunks, CHUNKS_P2)
-        floor = row_max + tl.load(factors_ptr + i * _FACTORS + _MIN_P_OFFSET)
-        cols = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
-        x = tl.load(row + cols, mask=cols < vocab, other=0.0)
-        # The whole chunk written back, kept logits too: a store masked per logit is not
-        # vectorized (64 rows of 151,936 bf16 logits: 46.5 us against 7.6 us on an H200).
-        y = tl.where(x.to(tl.float32) < floor, float("-inf"), x.to(tl.float32))
-        tl.store(row + cols, y.to(x.dtype), mask=cols < vocab)
-
-
 _launch_edits = DirectLaunch(_edit_kernel)
-_launch_min_p_floor = DirectLaunch(_min_p_floor_kernel)
 
 
 def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Tensor,
                 table_rows: torch.Tensor, next_positions: torch.Tensor, factors: torch.Tensor,
                 tables: EditTables, flags: int, chunk: int = CHUNK,
-                chunk_max: torch.Tensor | None = None,
+                min_p: MinPFloor | None = None, floor: bool = True,
                 sparse_limit: int = SPARSE_POSITIONS) -> None:
     """Edit rows of `logits` [bs, vocab] (unit stride along the vocabulary) into `out` (the
     same tensor: in place; another of its shape: a copy, and every program row is written).
@@ -203,9 +186,11 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
     penalties and min_p offset. `table_rows` and `next_positions` [bs] (device): each batch
     entry's table row and the position of the token it samples. `flags`: the union of the
     rows' flags (the kernels compile in only what some row uses). `chunk`: vocabulary entries
-    per program (a power of two). `chunk_max`: float32 [m, vocabulary chunks], min_p's working
-    memory (made here if None). `sparse_limit`: rows with at most this many tokens so far
-    (up to `SPARSE_POSITIONS`) take the sparse penalties, longer ones the dense."""
+    per program (a power of two). `min_p`: with a min_p row, its floor's state, whose chunk
+    maxima [m, vocabulary chunks] (`min_p_scratch`) are written here; `floor`: set the logits
+    below it to -inf (else the sampling kernels apply `min_p`). `sparse_limit`: rows with at
+    most this many tokens so far (up to `SPARSE_POSITIONS`) take the sparse penalties, longer
+    ones the dense."""
     m, vocab = program_rows.shape[1], logits.shape[1]
     if m == 0:
         return
@@ -224,9 +209,10 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
     width = ids.shape[1] if flags & BIAS else 1
     bans = tables.bans if flags & BANS and tables.bans is not None else pool
     seqs, length = (bans.shape[1], bans.shape[2]) if flags & BANS else (1, 1)
-    if chunk_max is None:
-        chunk_max = (min_p_scratch(m, vocab, logits.device, chunk) if flags & MIN_P
-                     else factors)
+    chunk_max = factors  # never written without a min_p row
+    if flags & MIN_P:
+        assert min_p is not None and min_p.chunk_max.shape == (m, num_chunks)
+        chunk_max = min_p.chunk_max
     _launch_edits((m, num_chunks),
         logits, logits.stride(0), out, out.stride(0), program_rows, m,
         table_rows, next_positions, factors, counts, in_prompt, counts.stride(0),
@@ -237,8 +223,5 @@ def apply_edits(logits: torch.Tensor, out: torch.Tensor, program_rows: torch.Ten
         BLOCK_W=next_power_of_2(width), BLOCK_S=next_power_of_2(seqs),
         BLOCK_L=next_power_of_2(length), BLOCK_P=max(16, next_power_of_2(sparse_limit)),
         num_warps=4)
-    if flags & MIN_P:
-        _launch_min_p_floor((m, num_chunks),
-            out, out.stride(0), program_rows, m, factors, chunk_max, vocab, num_chunks,
-            CHUNK_SIZE=chunk, CHUNKS_P2=max(2, next_power_of_2(num_chunks)),
-            num_warps=4)
+    if flags & MIN_P and floor:
+        apply_min_p_floor(out, min_p, chunk)

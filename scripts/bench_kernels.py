@@ -347,8 +347,8 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
             "LogitControls.raw_logprobs": lambda: controls.raw_logprobs(logits, batch),
             "LogitControls.report": lambda: controls.report(raw, batch, tokens),
             # Every control of bench_sampling_controls' "all" on each row, as a step runs them.
-            "all: LogitControls.apply keep_raw": lambda: edits.apply(logits, batch, batch_t,
-                                                                     next_t, lens, True),
+            "all: LogitControls.apply keep_raw": lambda: edits.apply(
+                logits, batch, batch_t, next_t, lens, keep_raw=True, leave_floor=True),
             "all: LogitControls.record": lambda: edits.record(batch, batch_t, tokens, lens),
             "all: LogitControls.sampled_logprobs": lambda: edits.sampled_logprobs(logits, batch,
                                                                                   tokens)}

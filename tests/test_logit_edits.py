@@ -4,12 +4,15 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors; on a GPU co
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from kernels.logit_edits import SPARSE_POSITIONS, _edit_kernel, apply_edits
-from minisgl_backend.engine.controls import LogitControls, RowParams
+from kernels.logit_edits import SPARSE_POSITIONS, _edit_kernel, apply_edits, min_p_scratch
+from kernels.sampling import MinPFloor, apply_min_p_floor, sample_from_logits
+from minisgl_backend.engine.controls import LogitControls, RowParams, _EditRows
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
@@ -68,9 +71,9 @@ def _torch_path(logits: torch.Tensor) -> torch.Tensor:
     controls = _controls("cpu")
     out = logits.clone()
     rows_t = torch.as_tensor(BATCH)
-    edited = controls.apply(out, BATCH, rows_t, torch.full((len(BATCH),), NEXT),
-                            np.full(len(BATCH), NEXT))
-    assert edited is out  # in place
+    edited, floor = controls.apply(out, BATCH, rows_t, torch.full((len(BATCH),), NEXT),
+                                   np.full(len(BATCH), NEXT), leave_floor=True)
+    assert edited is out and floor is None  # in place; the torch path applies min_p itself
     return out
 
 
@@ -113,10 +116,50 @@ def test_kernels_equal_the_torch_path(device: str, dtype: torch.dtype, chunk: in
     edits = controls._edit_rows(BATCH, every_row=copy)
     apply_edits(logits, out, edits.program_rows, torch.as_tensor(BATCH, device=device),
                 torch.full((len(BATCH),), NEXT, device=device), edits.factors, edits.tables,
-                edits.flags, chunk=chunk, sparse_limit=sparse_limit)
+                edits.flags, chunk=chunk, min_p=_floor_state(edits, chunk, device),
+                sparse_limit=sparse_limit)
     _check(out.cpu(), original, expected, exact=device == "cpu" and dtype == torch.float32)
     if copy:
         assert torch.equal(logits.cpu(), original)
+
+
+def _floor_state(edits: _EditRows, chunk: int, device: str) -> MinPFloor:
+    """The batch's min_p floor state with chunk maxima for `chunk`-wide programs."""
+    assert edits.min_p is not None
+    return dataclasses.replace(edits.min_p, chunk_max=min_p_scratch(
+        edits.program_rows.shape[1], VOCAB, torch.device(device), chunk))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "copy"])
+def test_min_p_floor_left_to_sampling_samples_as_written(device: str, copy: bool) -> None:
+    """The edit kernels may leave min_p's floor to the sampling kernels, which apply it as
+    they read the logits: the tokens drawn (12 seeds) equal those drawn from logits with the
+    floor written, every one above its row's floor, and the logits stay unfloored."""
+    controls = _controls(device)
+    logits = _logits(torch.float32).to(device)
+    out = torch.empty_like(logits) if copy else logits
+    edits = controls._edit_rows(BATCH, every_row=copy)
+    apply_edits(logits, out, edits.program_rows, torch.as_tensor(BATCH, device=device),
+                torch.full((len(BATCH),), NEXT, device=device), edits.factors, edits.tables,
+                edits.flags, min_p=edits.min_p, floor=False)
+    assert not out.isinf().sum(dim=1).gt(VOCAB // 2).any()  # not floored yet
+    floored = out.clone()
+    apply_min_p_floor(floored, edits.min_p)
+    expected = _torch_path(_logits(torch.float32))
+    _check(floored.cpu(), _logits(torch.float32), expected, exact=False)
+    temperature = torch.full((len(BATCH),), 0.7, device=device)
+    temperature[2] = 0.0  # a greedy row among them
+    top_k = torch.zeros(len(BATCH), dtype=torch.int64, device=device)
+    for seed in range(12):
+        seeds = torch.arange(len(BATCH), device=device) * 1000 + seed
+        position = torch.full((len(BATCH),), NEXT, device=device)
+        left = sample_from_logits(out, temperature, top_k, seed=seeds, position=position,
+                                  min_p=edits.min_p)
+        written = sample_from_logits(floored, temperature, top_k, seed=seeds,
+                                     position=position)
+        assert torch.equal(left, written)
+        assert not floored.gather(1, left.unsqueeze(1)).isinf().any()
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
@@ -127,10 +170,10 @@ def test_the_engine_path_uses_the_kernels_on_a_gpu(device: str, keep_raw: bool) 
     original = _logits(torch.float32)
     controls = _controls(device)
     logits = original.clone().to(device)
-    edited = controls.apply(logits, BATCH, torch.as_tensor(BATCH, device=device),
-                            torch.full((len(BATCH),), NEXT, device=device),
-                            np.full(len(BATCH), NEXT), keep_raw=keep_raw)
-    assert (edited is logits) != keep_raw
+    edited, floor = controls.apply(logits, BATCH, torch.as_tensor(BATCH, device=device),
+                                   torch.full((len(BATCH),), NEXT, device=device),
+                                   np.full(len(BATCH), NEXT), keep_raw=keep_raw)
+    assert (edited is logits) != keep_raw and floor is None
     _check(edited.cpu(), original, _torch_path(original), exact=False)
     if keep_raw:
         assert torch.equal(logits.cpu(), original)
@@ -140,8 +183,9 @@ def test_the_torch_path_keeps_the_raw_logits_too() -> None:
     original = _logits(torch.float32)
     controls = _controls("cpu")
     logits = original.clone()
-    edited = controls.apply(logits, BATCH, torch.as_tensor(BATCH), torch.full((len(BATCH),), NEXT),
-                            np.full(len(BATCH), NEXT), keep_raw=True)
+    edited, _ = controls.apply(logits, BATCH, torch.as_tensor(BATCH),
+                               torch.full((len(BATCH),), NEXT), np.full(len(BATCH), NEXT),
+                               keep_raw=True)
     assert torch.equal(logits, original)
     assert torch.equal(edited, _torch_path(original))
 

@@ -26,6 +26,7 @@ from minisgl_backend.layers.fast_ops import use_triton_kernels
 if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
     from kernels.logit_edits import EditTables
     from kernels.logprobs import LogprobScratch
+    from kernels.sampling import MinPFloor
 
 
 class RowParams:
@@ -128,7 +129,7 @@ class _EditRows:
     factors: torch.Tensor  # [m, FACTORS] float32
     flags: int  # the union of the rows' flags
     tables: EditTables
-    chunk_max: torch.Tensor | None  # min_p's working memory, if a row uses min_p
+    min_p: MinPFloor | None  # min_p's floor, if a row uses min_p
 
 
 class LogitControls:
@@ -359,14 +360,17 @@ class LogitControls:
         return buffers
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-              next_positions: torch.Tensor, seq_lens: np.ndarray,
-              keep_raw: bool = False) -> torch.Tensor:
-        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order; the
-        logits to sample from: `logits` edited in place, or with `keep_raw` an edited copy
-        (`logits` then stay raw for the log-probabilities). `next_positions` [bs] (device) and
-        `seq_lens` [bs] (host): positions of the tokens being sampled."""
+              next_positions: torch.Tensor, seq_lens: np.ndarray, keep_raw: bool = False,
+              leave_floor: bool = False) -> tuple[torch.Tensor, MinPFloor | None]:
+        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order. Returns
+        the logits to sample from: `logits` edited in place, or with `keep_raw` an edited copy
+        (`logits` then stay raw for the log-probabilities); and, with `leave_floor`, min_p's
+        floor where the kernels left it to sampling (`kernels.sampling.MinPFloor`: the
+        sampler applies it), else None. `next_positions` [bs] (device) and `seq_lens` [bs]
+        (host): positions of the tokens being sampled."""
         if _kernels_edit(logits):
-            return self._apply_kernels(logits, rows, rows_t, next_positions, keep_raw)
+            return self._apply_kernels(logits, rows, rows_t, next_positions, keep_raw,
+                                       leave_floor)
         if keep_raw:
             logits = logits.clone()
         penalized = self.penalized[rows]
@@ -381,20 +385,21 @@ class LogitControls:
         min_p = self.min_p_rows[rows]
         if min_p.any():
             self._min_p(logits, rows, min_p)
-        return logits
+        return logits, None
 
     def _apply_kernels(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-                       next_positions: torch.Tensor, keep_raw: bool) -> torch.Tensor:
-        """`apply` on a GPU: every edit in one kernel, min_p's floor in a second
-        (`kernels/logit_edits.py`)."""
+                       next_positions: torch.Tensor, keep_raw: bool, leave_floor: bool
+                       ) -> tuple[torch.Tensor, MinPFloor | None]:
+        """`apply` on a GPU: every edit in one kernel, min_p's floor in a second or in the
+        sampling kernels (`kernels/logit_edits.py`)."""
         from kernels.logit_edits import apply_edits
 
         edits = self._uploads.get("edit rows" if keep_raw else "edited rows", rows,
                                   lambda: self._edit_rows(rows, keep_raw))
         out = torch.empty_like(logits) if keep_raw else logits
         apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
-                    edits.tables, edits.flags, chunk_max=edits.chunk_max)
-        return out
+                    edits.tables, edits.flags, min_p=edits.min_p, floor=not leave_floor)
+        return out, edits.min_p if leave_floor else None
 
     def _edit_rows(self, rows: np.ndarray, every_row: bool) -> _EditRows:
         """The edit kernels' rows of a batch: its edited rows, or `every_row` (a copy is
@@ -416,14 +421,24 @@ class LogitControls:
                                                                      p["min_p"][min_p])
         union = int(np.bitwise_or.reduce(flags))
         in_prompt = self.in_prompt.view(torch.uint8) if self.in_prompt is not None else None
+        factors_t = host_to_device(factors, self.device)
+        floor = None
+        if union & k.MIN_P:
+            from kernels.sampling import MinPFloor
+
+            uses = self.min_p_rows[sel]
+            program_of = np.full(len(rows), -1, dtype=np.int64)  # per batch row
+            program_of[which[uses]] = np.nonzero(uses)[0]
+            floor = MinPFloor(host_to_device(program_of, self.device),
+                              k.min_p_scratch(len(which), self.vocab_size, self.device),
+                              factors_t[:, k.MIN_P_OFFSET])
         return _EditRows(
             program_rows=host_to_device(np.stack([which, flags]).astype(np.int64), self.device),
-            factors=host_to_device(factors, self.device), flags=union,
+            factors=factors_t, flags=union,
             tables=k.EditTables(self.counts, in_prompt, (self.bias_ids, self.bias_values)
                                 if self.bias_ids is not None else None, self.ban_tokens,
                                 self.token_pool),
-            chunk_max=k.min_p_scratch(len(which), self.vocab_size, self.device)
-            if union & k.MIN_P else None)
+            min_p=floor)
 
     def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
                   seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:

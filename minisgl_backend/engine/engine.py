@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import (
     SamplingTensors,
+    greedy,
     sample,
     samples_in_kernel,
     seeded_uniform_host,
@@ -43,6 +45,9 @@ from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
+
+if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
+    from kernels.sampling import MinPFloor
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class StartedStep:
     next_positions: torch.Tensor  # position of the token each entry samples (device)
     seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
     edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
+    min_p: MinPFloor | None = None  # min_p's floor, left to sampling by the edit kernels
     raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
     # Log-probabilities taken after sampling, from `raw_logits`.
     sampled_logprobs: bool = False
@@ -329,8 +335,9 @@ class Engine:
             if not step.sampled_logprobs:
                 step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
         if step.edited:
-            step.logits = self.controls.apply(logits, rows, batch.rows, next_positions,
-                                              step.seq_lens, keep_raw=reported)
+            step.logits, step.min_p = self.controls.apply(
+                logits, rows, batch.rows, next_positions, step.seq_lens, keep_raw=reported,
+                leave_floor=True)
         self._mask_early_stops(step.logits, rows, early_stops)
         return step
 
@@ -357,10 +364,10 @@ class Engine:
                               buffer.view(int(msg.mask_half[0]), len(msg.guide_rows)),
                               page_locked=buffer.page_locked)
         if self.row_greedy[rows].all():
-            sampled = torch.argmax(logits, dim=-1)
+            sampled = greedy(logits, step.min_p)
         else:
             sampled = sample(logits, self._sampling_tensors(logits, rows, step.next_positions,
-                                                            step.seq_lens))
+                                                            step.seq_lens, step.min_p))
         next_tokens = sampled.to(torch.int32)
         self.token_pool[batch.rows, step.next_positions] = next_tokens
         # The controls index with the int64 ids as sampled: no cast back from int32.
@@ -524,9 +531,11 @@ class Engine:
         return batch
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
-                          host_positions: np.ndarray) -> SamplingTensors:
+                          host_positions: np.ndarray, min_p: MinPFloor | None
+                          ) -> SamplingTensors:
         """The samples' parameters on the device. `positions` (device) and `host_positions`
-        are those of the tokens being sampled: only the torch path's draws change per step."""
+        are those of the tokens being sampled: only the torch path's draws change per step.
+        `min_p`: the floor the edit kernels left to sampling."""
         kept = self._batch_sampling.get("sampling", rows, lambda: self._keep_batch_sampling(rows))
         uniform = None
         if not samples_in_kernel(logits, kept.any_filtered):  # the torch path's uniform draws
@@ -535,7 +544,7 @@ class Engine:
         return SamplingTensors(
             temperature=kept.temperature, top_k=kept.top_k, top_p=kept.top_p, seed=kept.seed,
             position=positions, uniform=uniform, all_greedy=kept.all_greedy,
-            any_filtered=kept.any_filtered)
+            any_filtered=kept.any_filtered, min_p=min_p)
 
     def _keep_batch_sampling(self, rows: np.ndarray) -> _BatchSampling:
         """The rows' sampling parameters uploaded in one copy, kept until the next admission

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from minisgl_backend.layers.fast_ops import use_triton_kernels
+
+if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
+    from kernels.sampling import MinPFloor
 
 _MASK32 = 0xFFFFFFFF
 _UINT64_MASK = (1 << 64) - 1
@@ -35,6 +39,8 @@ class SamplingTensors:
     # upload instead of ~40 small kernels per step on the torch path (the kernels of
     # `samples_in_kernel` compute it themselves).
     uniform: torch.Tensor | None = None  # [bs] float64
+    # min_p's floor, left by the edit kernels (`LogitControls.apply`): applied by `sample`.
+    min_p: MinPFloor | None = None
 
 
 def seed_to_int64(seed: int) -> int:
@@ -179,19 +185,35 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     without top-k / top-p go through one Triton kernel (`kernels.sampling`) instead.
     """
     if params.all_greedy:
-        return torch.argmax(logits, dim=-1)  # the same index in any precision of the logits
+        return greedy(logits, params.min_p)
     if samples_in_kernel(logits, params.any_filtered):
         from kernels.sampling import sample_from_logits
 
         if params.uniform is not None:
-            return sample_from_logits(logits, params.temperature, params.top_k, params.uniform)
+            return sample_from_logits(logits, params.temperature, params.top_k, params.uniform,
+                                      min_p=params.min_p)
         return sample_from_logits(logits, params.temperature, params.top_k, seed=params.seed,
-                                  position=params.position)
+                                  position=params.position, min_p=params.min_p)
+    _apply_floor(logits, params.min_p)
     device = logits.device
     uniform = params.uniform
     if uniform is None:
         uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
     return sample_with_torch(logits.float(), params, uniform.to(device))
+
+
+def greedy(logits: torch.Tensor, min_p: MinPFloor | None = None) -> torch.Tensor:
+    """Each row's first largest logit (after min_p's floor, if the edits left it)."""
+    _apply_floor(logits, min_p)
+    return torch.argmax(logits, dim=-1)  # the same index in any precision of the logits
+
+
+def _apply_floor(logits: torch.Tensor, min_p: MinPFloor | None) -> None:
+    """Write min_p's floor into `logits` (in place), for the paths that read them as they are."""
+    if min_p is not None:
+        from kernels.sampling import apply_min_p_floor
+
+        apply_min_p_floor(logits, min_p)
 
 
 def samples_in_kernel(logits: torch.Tensor, any_filtered: bool) -> bool:
