@@ -12,7 +12,9 @@
    `kernels/logprobs.py`) next to torch's log_softmax and topk, the same way; and the host's
    time per call of what a step launches around sampling (`--parts host`: small logits, so
    the device idles and a loop's wall time is the host's; not in a graph, as the engine
-   launches them).
+   launches them); and (`--parts edits`) the device time of bench_sampling_controls' "all"
+   edits into a copy plus the sampling after them, per context length: penalties sparse or
+   dense, min_p's floor written or left to the sampling kernels (`kernels/logit_edits.py`).
 4. The attention prologue (q/k norm for Qwen3, RoPE, KV store) per token count, with 1, 2, 4
    and 8 heads per program.
 5. A decoder layer's four projections at batch sizes up to 16, as the layer runs them (FlashInfer
@@ -55,7 +57,8 @@ LOGPROBS_HEADER = ("vocab", "batch", "top", "kernel", "us/call")
 PROLOGUE_HEADER = ("shape", "tokens", "heads per program", "us/call")
 GEMV_HEADER = ("shape", "projection", "batch", "path", "us/call", "weights GB/s", "of copy bw")
 HOST_HEADER = ("batch", "call", "host us/call")
-PARTS = ("attention", "silu", "sampling", "logprobs", "host", "prologue", "gemv")
+EDITS_HEADER = ("vocab", "batch", "context", "penalties", "min_p floor", "us/call")
+PARTS = ("attention", "silu", "sampling", "logprobs", "host", "edits", "prologue", "gemv")
 HOST_VOCAB = 4096  # small logits for the host part: the device idles between calls
 HOST_LOGPROBS = 5  # log-probabilities per row in the host part
 L2_DEFEAT_BYTES = 200 * 2**20
@@ -359,27 +362,70 @@ def bench_host(args: argparse.Namespace, device: torch.device) -> list[list[str]
     return rows
 
 
-def _edit_controls(bs: int, device: torch.device) -> LogitControls:
+def bench_edits(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    """Device time of the "all" edits into a copy (a step with log-probabilities) and the
+    sampling after them, for rows whose `context` tokens are all prompt."""
+    import numpy as np
+
+    from kernels.logit_edits import SPARSE_POSITIONS, apply_edits
+    from kernels.sampling import sample_from_logits
+
+    vocabs = sorted({SHAPES[s]["vocab_size"] for s in args.shapes})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[list[str]] = []
+    for vocab, bs, context in itertools.product(vocabs, args.batch_sizes, args.context_lens):
+        logits = (torch.randn(bs, vocab, device=device) * 4).to(dtype)
+        out = torch.empty_like(logits)
+        controls = _edit_controls(bs, device, vocab, context)
+        edits = controls._edit_rows(np.arange(bs), every_row=True)  # what `apply` uploads
+        assert edits.min_p is not None
+        table_rows, next_t = torch.arange(bs, device=device), torch.full((bs,), context,
+                                                                           device=device)
+        temperature = torch.full((bs,), 0.7, device=device)
+        top_k = torch.full((bs,), -1, dtype=torch.int64, device=device)
+        seeds = torch.arange(bs, device=device)
+
+        def step(sparse_limit: int, left: bool) -> None:
+            apply_edits(logits, out, edits.program_rows, table_rows, next_t, edits.factors,
+                        edits.tables, edits.flags, min_p=edits.min_p, floor=not left,
+                        sparse_limit=sparse_limit)
+            sample_from_logits(out, temperature, top_k, seed=seeds, position=next_t,
+                               min_p=edits.min_p if left else None)
+
+        variants = {(penalties, floor): (lambda limit=limit, left=left: step(limit, left))
+                    for penalties, limit in (("dense", 0), ("sparse", SPARSE_POSITIONS))
+                    for floor, left in (("written", False), ("in sampling", True))}
+        for (penalties, floor), fn in variants.items():
+            seconds = time_per_call(fn, args.calls, args.replays, device)
+            rows.append([str(vocab), str(bs), str(context), penalties, floor,
+                         f"{seconds * 1e6:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def _edit_controls(bs: int, device: torch.device, vocab: int = HOST_VOCAB, prompt: int = 40
+                   ) -> LogitControls:
     """Controls of `bs` table rows, each admitted with bench_sampling_controls' "all" settings
-    (penalties, min_p, 50 bias entries, 6 bad-word sequences, logprobs) and a 40-token prompt."""
+    (penalties, min_p, 50 bias entries, 6 bad-word sequences, logprobs) and a `prompt`-token
+    prompt of random ids below `vocab`."""
     import numpy as np
     from bench_sampling_controls import configurations
 
     from minisgl_backend.engine.controls import LogitControls, RowParams
     from minisgl_backend.engine.protocol import StepMessage
 
-    settings = configurations(HOST_VOCAB, each=False)["all"]
+    settings = configurations(vocab, each=False)["all"]
     bias, bans = settings.pop("logit_bias"), settings.pop("bad_token_ids")
     rows = np.arange(bs)
     admit = {name: np.full(bs, value) for name, value in settings.items()}
     admit["temperature"] = np.full(bs, 0.7)
     params = RowParams(bs)
     params.admit(rows, admit)
-    pool = torch.randint(0, HOST_VOCAB, (bs, 64), dtype=torch.int32, device=device)
-    controls = LogitControls(params, bs, HOST_VOCAB, pool)
+    pool = torch.randint(0, vocab, (bs, prompt + 24), dtype=torch.int32, device=device)
+    controls = LogitControls(params, bs, vocab, pool)
     controls.admit(StepMessage(
         is_prefill=True, admit_rows=rows.tolist(), admit=admit, prompt_rows=rows.tolist(),
-        prompt_counts=[40] * bs, prompt_tokens=pool[:, :40].flatten().tolist(),
+        prompt_counts=[prompt] * bs, prompt_tokens=pool[:, :prompt].flatten().tolist(),
         bias_rows=rows.tolist(), bias_counts=[len(bias)] * bs,
         bias_ids=[int(t) for t in bias] * bs, bias_values=list(bias.values()) * bs,
         ban_rows=np.repeat(rows, len(bans)).tolist(), ban_lens=[len(b) for b in bans] * bs,
@@ -530,6 +576,9 @@ def main(argv: list[str] | None = None) -> None:
     if "host" in args.parts:
         tables.append(("Host time of a step's calls around sampling (small logits)",
                        HOST_HEADER, bench_host(args, device)))
+    if "edits" in args.parts:
+        tables.append(("The \"all\" edits into a copy, then sampling (model-dtype logits)",
+                       EDITS_HEADER, bench_edits(args, device)))
     if "prologue" in args.parts:
         tables.append(("Attention prologue (q/k norm for Qwen3, RoPE, KV store)",
                        PROLOGUE_HEADER, bench_prologue(args, device)))

@@ -292,8 +292,9 @@ def test_warm_kernels_runs_every_variant() -> None:
 
 def test_bench_kernels_times_every_variant_on_cpu() -> None:
     """The kernel benchmark's CPU smoke test: the Triton kernels in the interpreter, every sweep
-    variant of the decode kernel, SiLU-and-mul, sampling, log-probabilities and the host's
-    time of a step's calls around sampling; every table ends the output."""
+    variant of the decode kernel, SiLU-and-mul, sampling, log-probabilities, the host's
+    time of a step's calls around sampling and the controls' edits with sampling; every
+    table ends the output."""
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_kernels.py"), "--device", "cpu", "--shapes",
          "tiny-qwen3", "--batch-sizes", "2", "--context-lens", "40", "--page-sizes", "16",
@@ -314,6 +315,11 @@ def test_bench_kernels_times_every_variant_on_cpu() -> None:
     assert header == ["shape", "tokens", "heads per program", "us/call"]
     assert [row[2] for row in rows] == ["1", "2", "4", "8"] and all(number(r[3]) > 0 for r in rows)
     header, rows = last_table(run.stdout.split("## Attention prologue")[0])
+    assert header == ["vocab", "batch", "context", "penalties", "min_p floor", "us/call"]
+    assert [row[3:5] for row in rows] == [[p, f] for p in ("dense", "sparse")
+                                          for f in ("written", "in sampling")]
+    assert all(number(r[5]) > 0 for r in rows)
+    header, rows = last_table(run.stdout.split('## The "all" edits')[0])
     assert header == ["batch", "call", "host us/call"]
     assert [row[1] for row in rows] == ["torch.empty", "argmax", "sample_from_logits",
                                         "sample_from_logits seeded",
