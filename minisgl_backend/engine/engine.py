@@ -531,7 +531,7 @@ class Engine:
         return batch
 
     def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
-                          host_positions: np.ndarray, min_p: MinPFloor | None
+                          host_positions: np.ndarray, min_p: MinPFloor | None = None
                           ) -> SamplingTensors:
         """The samples' parameters on the device. `positions` (device) and `host_positions`
         are those of the tokens being sampled: only the torch path's draws change per step.
