@@ -416,9 +416,10 @@ class LogitControls:
         factors[:, k.REPETITION] = np.where(penalized, p["repetition_penalty"][sel], 1.0)
         factors[:, k.PRESENCE] = np.where(penalized, p["presence_penalty"][sel], 0.0)
         factors[:, k.FREQUENCY] = np.where(penalized, p["frequency_penalty"][sel], 0.0)
-        min_p = sel[self.min_p_rows[sel]]
-        factors[self.min_p_rows[sel], k.MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
-                                                                     p["min_p"][min_p])
+        uses_min_p = self.min_p_rows[sel]  # per program row
+        min_p = sel[uses_min_p]
+        factors[uses_min_p, k.MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
+                                                           p["min_p"][min_p])
         union = int(np.bitwise_or.reduce(flags))
         in_prompt = self.in_prompt.view(torch.uint8) if self.in_prompt is not None else None
         factors_t = host_to_device(factors, self.device)
@@ -426,9 +427,8 @@ class LogitControls:
         if union & k.MIN_P:
             from kernels.sampling import MinPFloor
 
-            uses = self.min_p_rows[sel]
             program_of = np.full(len(rows), -1, dtype=np.int64)  # per batch row
-            program_of[which[uses]] = np.nonzero(uses)[0]
+            program_of[which[uses_min_p]] = np.nonzero(uses_min_p)[0]
             floor = MinPFloor(host_to_device(program_of, self.device),
                               k.min_p_scratch(len(which), self.vocab_size, self.device),
                               factors_t[:, k.MIN_P_OFFSET])
