@@ -133,6 +133,7 @@ class LogprobScratch:
     chunk_max: torch.Tensor  # float32 [rows, chunks]
     chunk_sum: torch.Tensor  # float32 [rows, chunks]
     cand: torch.Tensor  # int64 [rows, chunks, max(top, 1)]
+    chunk: int = 4096  # vocabulary entries per chunk (a power of two)
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, top: int, device: torch.device,
@@ -141,7 +142,8 @@ class LogprobScratch:
         return cls(torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
                    torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
-                   torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device))
+                   torch.empty(rows, num_chunks, max(top, 1), dtype=torch.int64, device=device),
+                   chunk)
 
 
 def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
@@ -155,13 +157,44 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
     where to write the last two (views with one row stride and unit column stride, e.g.
     columns of one table). `sampled`: (token ids [rows], a float32 [rows] view) to write each
     row's token's log-probability into. `scratch`: working memory of this shape and `chunk`
-    (`LogprobScratch.allocate`), whose `lse` is returned."""
-    rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    device = logits.device
+    (`LogprobScratch.allocate`), whose `lse` is returned. The two phases, `logprob_chunks`
+    then `logprob_rows`, may also be launched apart (on two streams, the second waiting)."""
+    logits = _unit_stride(logits)
     if scratch is None:
-        scratch = LogprobScratch.allocate(rows, vocab, top, device, chunk)
+        scratch = LogprobScratch.allocate(logits.shape[0], logits.shape[1], top, logits.device,
+                                          chunk)
+    logprob_chunks(logits, top, scratch)
+    return logprob_rows(logits, top, scratch, out, sampled)
+
+
+def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def logprob_chunks(logits: torch.Tensor, top: int, scratch: LogprobScratch) -> None:
+    """`logprob_stats`' first phase: each chunk's largest logit, its sum of exponentials and
+    its `top` candidates, into `scratch` (unit stride along the vocabulary)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1
+    num_chunks, chunk = scratch.chunk_max.shape[1], scratch.chunk
+    assert scratch.cand.shape == (rows, num_chunks, max(top, 1)) and \
+        num_chunks == cdiv(vocab, chunk), "scratch of another shape"
+    if rows == 0:
+        return
+    _launch_chunk_top((rows, num_chunks),
+        logits, logits.stride(0), scratch.chunk_max, scratch.chunk_sum, scratch.cand, vocab,
+        num_chunks, top, CHUNK=chunk, GROUP=min(GROUP, chunk),
+        TOP_P2=next_power_of_2(top) if top else 0, num_warps=4)
+
+
+def logprob_rows(logits: torch.Tensor, top: int, scratch: LogprobScratch,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logprob_stats`' second phase, from the chunks `logprob_chunks` wrote into `scratch`
+    (the same `logits`, which it reads again only for the sampled tokens)."""
+    rows = logits.shape[0]
+    device = logits.device
     if out is None:
         top_lp = torch.empty(rows, top, dtype=torch.float32, device=device)
         top_ids = torch.empty(rows, top, dtype=torch.int32, device=device)
@@ -173,13 +206,7 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
     if rows == 0:
         return scratch.lse, top_lp, top_ids
     num_chunks = scratch.chunk_max.shape[1]
-    assert scratch.cand.shape == (rows, num_chunks, max(top, 1)) and \
-        num_chunks == cdiv(vocab, chunk), "scratch of another shape"
     tokens, token_out = sampled if sampled is not None else (scratch.lse, scratch.lse)
-    _launch_chunk_top((rows, num_chunks),
-        logits, logits.stride(0), scratch.chunk_max, scratch.chunk_sum, scratch.cand, vocab,
-        num_chunks, top, CHUNK=chunk, GROUP=min(GROUP, chunk),
-        TOP_P2=next_power_of_2(top) if top else 0, num_warps=4)
     _launch_row_top((rows,),
         scratch.chunk_max, scratch.chunk_sum, scratch.cand, scratch.lse, top_lp, top_ids,
         top_lp.stride(0), num_chunks, top, logits, logits.stride(0), tokens, token_out,

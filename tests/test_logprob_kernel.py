@@ -4,6 +4,8 @@ one partial; ties are broken towards the lowest id."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -122,19 +124,8 @@ def test_controls_take_log_probabilities_after_sampling(device: str) -> None:
     """`LogitControls.sampled_logprobs` (on a GPU: the kernels writing the token column too,
     with tables kept between steps) gives what `raw_logprobs` then `report` give, and what
     log_softmax gives, for the rows that ask, over steps of changing batches."""
-    rows_total, vocab = 6, 700
-    params = RowParams(rows_total)
-    pool = torch.zeros(rows_total, 8, dtype=torch.int32, device=device)
-    controls = LogitControls(params, rows_total, vocab, pool)
-    admitted = np.arange(rows_total)
-    admit = {"logprobs": [2, -1, 5, 0, -1, 3]}
-    params.admit(admitted, admit)
-    controls.admit(StepMessage(is_prefill=True, admit_rows=admitted.tolist(), admit=admit))
-    gen = torch.Generator().manual_seed(5)
-    for batch in ([0, 1, 2, 3, 4, 5], [5, 2, 0], [0, 2, 3], [5, 2, 0]):
-        rows = np.asarray(batch)
-        logits = (torch.randn(len(rows), vocab, generator=gen) * 3).to(device)
-        tokens = torch.randint(0, vocab, (len(rows),), generator=gen).to(device)
+    controls, params = _reporting_controls(device)
+    for rows, logits, tokens in _steps(device):
         got = controls.sampled_logprobs(logits, rows, tokens)
         raw = controls.raw_logprobs(logits, rows)
         assert got is not None and raw is not None
@@ -152,3 +143,52 @@ def test_controls_take_log_probabilities_after_sampling(device: str) -> None:
         assert torch.allclose(table[:, cols.top_logprobs], expected.topk(cols.top).values,
                               atol=1e-5)
     assert controls.sampled_logprobs(logits, np.array([1, 4]), tokens[:2]) is None
+
+
+@pytest.mark.parametrize("device", devices(_row_top_kernel))
+def test_log_probabilities_begun_beside_sampling_equal_those_taken_after_it(device: str) -> None:
+    """`begin_logprobs` (on a GPU: the chunk kernel on a side stream, while the main stream
+    works on) then `sampled_logprobs` with it give what `sampled_logprobs` alone gives; off the
+    kernels' path nothing is begun."""
+    controls, _ = _reporting_controls(device)
+    for rows, logits, tokens in _steps(device):
+        pending = controls.begin_logprobs(logits, rows)
+        if device == "cpu":
+            assert pending is None
+        else:
+            assert pending is not None and pending.stream != torch.cuda.current_stream()
+            busy = torch.randn(2048, 2048, device=device)
+            for _ in range(8):  # the main stream's work between the halves (edits, sampling)
+                busy = busy @ busy / 64
+        got = controls.sampled_logprobs(logits, rows, tokens, pending)
+        assert got is not None
+        got_table = got.table.clone()  # the next call writes the same kept table
+        want = controls.sampled_logprobs(logits, rows, tokens)
+        assert want is not None and got.batch_rows.tolist() == want.batch_rows.tolist()
+        assert torch.equal(got_table, want.table)
+    assert controls.begin_logprobs(logits, np.array([1, 4])) is None
+
+
+def _reporting_controls(device: str) -> tuple[LogitControls, RowParams]:
+    """Controls of six table rows, four of them reporting log-probabilities (2, 5, 0 and 3
+    top tokens)."""
+    rows_total, vocab = 6, 700
+    params = RowParams(rows_total)
+    pool = torch.zeros(rows_total, 8, dtype=torch.int32, device=device)
+    controls = LogitControls(params, rows_total, vocab, pool)
+    admitted = np.arange(rows_total)
+    admit = {"logprobs": [2, -1, 5, 0, -1, 3]}
+    params.admit(admitted, admit)
+    controls.admit(StepMessage(is_prefill=True, admit_rows=admitted.tolist(), admit=admit))
+    return controls, params
+
+
+def _steps(device: str) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+    """Steps of changing batches of `_reporting_controls`' rows: table rows, raw logits,
+    sampled tokens."""
+    gen = torch.Generator().manual_seed(5)
+    for batch in ([0, 1, 2, 3, 4, 5], [5, 2, 0], [0, 2, 3], [5, 2, 0]):
+        rows = np.asarray(batch)
+        logits = (torch.randn(len(rows), 700, generator=gen) * 3).to(device)
+        tokens = torch.randint(0, 700, (len(rows),), generator=gen).to(device)
+        yield rows, logits, tokens

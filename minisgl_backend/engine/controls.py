@@ -121,6 +121,19 @@ class _LogprobBuffers:
 
 
 @dataclass
+class PendingLogprobs:
+    """`LogitControls.begin_logprobs`' launch: the reporting rows (batch indices, on cpu), their
+    raw logits, the most top tokens one asks for, the buffers its chunk statistics went into,
+    and the stream they run on."""
+
+    batch_rows: np.ndarray
+    logits: torch.Tensor
+    top: int
+    buffers: _LogprobBuffers
+    stream: torch.cuda.Stream
+
+
+@dataclass
 class _EditRows:
     """What the edit kernels take of one batch's rows (`kernels.logit_edits.apply_edits`),
     uploaded once per batch until the next admission."""
@@ -166,6 +179,7 @@ class LogitControls:
         # Per-batch device copies of host values (row indices, factors), by what they are.
         self._uploads = PerBatch(limit=256)
         self._lp_buffers: dict[tuple[int, int], _LogprobBuffers] = {}  # (rows, top)
+        self._stream: torch.cuda.Stream | None = None  # `begin_logprobs`' side stream
 
     def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -313,24 +327,61 @@ class LogitControls:
             column.copy_(picked)
         return LogprobReport(wanted, raw.table)
 
-    def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
-                         tokens: torch.Tensor) -> LogprobReport | None:
-        """`raw_logprobs` and `report` in one go, after sampling, from the raw `logits` (no
-        control or mask changed them: `apply` with `keep_raw` edits a copy): on a GPU the
-        kernels then write the sampled tokens' column too. None if no row asks."""
+    def begin_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> PendingLogprobs | None:
+        """On a GPU, the first half of `sampled_logprobs`, launched now on a side stream: the
+        raw `logits`' chunk statistics run beside the edits and sampling, which do not change
+        `logits` (`apply` with `keep_raw`), instead of after them. None if no row asks, or
+        off the kernels' path (`sampled_logprobs` then does it all)."""
         if not _kernels_edit(logits):
-            raw = self.raw_logprobs(logits, rows)
-            return self.report(raw, rows, tokens) if raw is not None else None
+            return None
         reporting = self._reporting(logits, rows)
         if reporting is None:
             return None
-        from kernels.logprobs import logprob_stats
+        from kernels.logprobs import logprob_chunks
 
         wanted, sel, top = reporting
         buffers = self._logprob_buffers(len(wanted), top)
-        logprob_stats(sel, top, out=buffers.top, scratch=buffers.scratch,
-                      sampled=(self._wanted(tokens, rows, wanted), buffers.token))
+        main = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(main)  # the forward has written the logits
+        with torch.cuda.stream(side):
+            logprob_chunks(sel, top, buffers.scratch)
+        # Work the main stream queues next must not reuse memory `sel` (a gather) or the
+        # buffers hold until the side stream has read them: `sampled_logprobs` waits first.
+        sel.record_stream(side)
+        return PendingLogprobs(wanted, sel, top, buffers, side)
+
+    def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
+                         tokens: torch.Tensor, pending: PendingLogprobs | None = None
+                         ) -> LogprobReport | None:
+        """`raw_logprobs` and `report` in one go, after sampling, from the raw `logits` (no
+        control or mask changed them: `apply` with `keep_raw` edits a copy): on a GPU the
+        kernels then write the sampled tokens' column too. `pending`: what `begin_logprobs`
+        launched for these logits (its second half follows). None if no row asks."""
+        if not _kernels_edit(logits):
+            raw = self.raw_logprobs(logits, rows)
+            return self.report(raw, rows, tokens) if raw is not None else None
+        from kernels.logprobs import logprob_chunks, logprob_rows
+
+        if pending is None:
+            reporting = self._reporting(logits, rows)
+            if reporting is None:
+                return None
+            wanted, sel, top = reporting
+            buffers = self._logprob_buffers(len(wanted), top)
+            logprob_chunks(sel, top, buffers.scratch)
+        else:
+            wanted, sel, top, buffers = pending.batch_rows, pending.logits, pending.top, \
+                pending.buffers
+            torch.cuda.current_stream(self.device).wait_stream(pending.stream)
+        logprob_rows(sel, top, buffers.scratch, out=buffers.top,
+                     sampled=(self._wanted(tokens, rows, wanted), buffers.token))
         return LogprobReport(wanted, buffers.table)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def _reporting(self, logits: torch.Tensor, rows: np.ndarray
                    ) -> tuple[np.ndarray, torch.Tensor, int] | None:

@@ -25,6 +25,7 @@ from minisgl_backend.engine.config import EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import (
     LogitControls,
     LogprobReport,
+    PendingLogprobs,
     PerBatch,
     RawLogprobs,
     RowParams,
@@ -84,8 +85,9 @@ class StartedStep:
     edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
     min_p: MinPFloor | None = None  # min_p's floor, left to sampling by the edit kernels
     raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
-    # Log-probabilities taken after sampling, from `raw_logits`.
+    # Log-probabilities taken after sampling, from `raw_logits` (on a GPU begun before it).
     sampled_logprobs: bool = False
+    pending_logprobs: PendingLogprobs | None = None  # `LogitControls.begin_logprobs`
     logits_report: LogitsReport | None = None
 
 
@@ -334,6 +336,8 @@ class Engine:
             step.sampled_logprobs = step.edited or not (len(msg.guide_rows) or len(early_stops))
             if not step.sampled_logprobs:
                 step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
+            else:  # on a GPU their first kernel runs beside the edits and sampling
+                step.pending_logprobs = self.controls.begin_logprobs(logits, rows)
         if step.edited:
             step.logits, step.min_p = self.controls.apply(
                 logits, rows, batch.rows, next_positions, step.seq_lens, keep_raw=reported,
@@ -377,7 +381,8 @@ class Engine:
         if step.raw_logprobs is not None:
             report = self.controls.report(step.raw_logprobs, rows, sampled)
         elif step.sampled_logprobs:
-            report = self.controls.sampled_logprobs(step.raw_logits, rows, sampled)
+            report = self.controls.sampled_logprobs(step.raw_logits, rows, sampled,
+                                                    step.pending_logprobs)
         host = None
         if self.device.type == "cuda":
             host = self._host_buffers[self.num_launched % 2]
