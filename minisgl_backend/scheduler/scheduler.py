@@ -134,6 +134,8 @@ def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
 def _slots_of(batch: list[Req], rows: list[int]) -> list[int]:
     """The samples (see `StepMessage`) of batch rows `rows`: a row's last sampled
     token and each of its drafts sample one."""
+    if not any(req.drafts for req in batch):  # one sample a row (a guided step: twice a step)
+        return list(rows)
     starts = np.cumsum([0] + [1 + len(req.drafts) for req in batch])
     return [int(s) for i in rows for s in range(starts[i], starts[i + 1])]
 
@@ -615,6 +617,8 @@ class Scheduler:
     def _mask_starts(batch: list[Req], guided: list[int]) -> list[int]:
         """The first mask slot of each guided row (a row with drafts takes one slot more
         each)."""
+        if not any(batch[i].drafts for i in guided):
+            return list(range(len(guided)))
         starts = np.cumsum([0] + [1 + len(batch[i].drafts) for i in guided])
         return [int(s) for s in starts[:-1]]
 
