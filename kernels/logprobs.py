@@ -32,6 +32,7 @@ from kernels.sampling import row_chunk_mass, row_chunk_max
 
 NO_KEY = tl.constexpr(-(2**63))  # below every key: a dropped or padding candidate
 GROUP = 32  # logits per group of a chunk (see _chunk_top_kernel)
+CHUNK = 4096  # vocabulary entries per chunk by default (the launch shapes measured best)
 
 
 @triton.jit
@@ -133,11 +134,11 @@ class LogprobScratch:
     chunk_max: torch.Tensor  # float32 [rows, chunks]
     chunk_sum: torch.Tensor  # float32 [rows, chunks]
     cand: torch.Tensor  # int64 [rows, chunks, max(top, 1)]
-    chunk: int = 4096  # vocabulary entries per chunk (a power of two)
+    chunk: int = CHUNK  # vocabulary entries per chunk (a power of two)
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, top: int, device: torch.device,
-                 chunk: int = 4096) -> LogprobScratch:
+                 chunk: int = CHUNK) -> LogprobScratch:
         num_chunks = cdiv(vocab, chunk)
         return cls(torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, num_chunks, dtype=torch.float32, device=device),
@@ -146,7 +147,7 @@ class LogprobScratch:
                    chunk)
 
 
-def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
+def logprob_stats(logits: torch.Tensor, top: int, chunk: int | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
                   sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
                   scratch: LogprobScratch | None = None,
@@ -157,12 +158,14 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int = 4096,
     where to write the last two (views with one row stride and unit column stride, e.g.
     columns of one table). `sampled`: (token ids [rows], a float32 [rows] view) to write each
     row's token's log-probability into. `scratch`: working memory of this shape and `chunk`
-    (`LogprobScratch.allocate`), whose `lse` is returned. The two phases, `logprob_chunks`
+    (`LogprobScratch.allocate`; `chunk` defaults to its, else to `CHUNK`), whose `lse` is
+    returned. The two phases, `logprob_chunks`
     then `logprob_rows`, may also be launched apart (on two streams, the second waiting)."""
     logits = _unit_stride(logits)
     if scratch is None:
         scratch = LogprobScratch.allocate(logits.shape[0], logits.shape[1], top, logits.device,
-                                          chunk)
+                                          chunk or CHUNK)
+    assert chunk is None or chunk == scratch.chunk, "scratch of another chunk size"
     logprob_chunks(logits, top, scratch)
     return logprob_rows(logits, top, scratch, out, sampled)
 

@@ -117,6 +117,8 @@ def test_logprob_stats_fill_the_sampled_tokens_column(device: str, dtype: torch.
         assert torch.equal(lse, want_lse)
         assert torch.equal(table[:, cols.top_logprobs], want_lp)
         assert torch.equal(table[:, cols.top_ids].view(torch.int32), want_ids)
+    with pytest.raises(AssertionError, match="chunk size"):  # the scratch's chunk, or none
+        logprob_stats(logits.to(device), top, chunk=2 * CHUNK, scratch=scratch)
 
 
 @pytest.mark.parametrize("device", devices(_row_top_kernel))

@@ -124,13 +124,13 @@ class _LogprobBuffers:
 class PendingLogprobs:
     """`LogitControls.begin_logprobs`' launch: the reporting rows (batch indices, on cpu), their
     raw logits, the most top tokens one asks for, the buffers its chunk statistics went into,
-    and the stream they run on."""
+    and the side stream they run on (None: the current stream)."""
 
     batch_rows: np.ndarray
     logits: torch.Tensor
     top: int
     buffers: _LogprobBuffers
-    stream: torch.cuda.Stream
+    stream: torch.cuda.Stream | None
 
 
 @dataclass
@@ -334,22 +334,7 @@ class LogitControls:
         off the kernels' path (`sampled_logprobs` then does it all)."""
         if not _kernels_edit(logits):
             return None
-        reporting = self._reporting(logits, rows)
-        if reporting is None:
-            return None
-        from kernels.logprobs import logprob_chunks
-
-        wanted, sel, top = reporting
-        buffers = self._logprob_buffers(len(wanted), top)
-        main = torch.cuda.current_stream(self.device)
-        side = self._side_stream()
-        side.wait_stream(main)  # the forward has written the logits
-        with torch.cuda.stream(side):
-            logprob_chunks(sel, top, buffers.scratch)
-        # Work the main stream queues next must not reuse memory `sel` (a gather) or the
-        # buffers hold until the side stream has read them: `sampled_logprobs` waits first.
-        sel.record_stream(side)
-        return PendingLogprobs(wanted, sel, top, buffers, side)
+        return self._chunk_statistics(logits, rows, self._side_stream())
 
     def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
                          tokens: torch.Tensor, pending: PendingLogprobs | None = None
@@ -361,22 +346,40 @@ class LogitControls:
         if not _kernels_edit(logits):
             raw = self.raw_logprobs(logits, rows)
             return self.report(raw, rows, tokens) if raw is not None else None
-        from kernels.logprobs import logprob_chunks, logprob_rows
+        from kernels.logprobs import logprob_rows
 
         if pending is None:
-            reporting = self._reporting(logits, rows)
-            if reporting is None:
+            pending = self._chunk_statistics(logits, rows)
+            if pending is None:
                 return None
-            wanted, sel, top = reporting
-            buffers = self._logprob_buffers(len(wanted), top)
+        elif pending.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(pending.stream)
+        buffers = pending.buffers
+        logprob_rows(pending.logits, pending.top, buffers.scratch, out=buffers.top,
+                     sampled=(self._wanted(tokens, rows, pending.batch_rows), buffers.token))
+        return LogprobReport(pending.batch_rows, buffers.table)
+
+    def _chunk_statistics(self, logits: torch.Tensor, rows: np.ndarray,
+                          stream: torch.cuda.Stream | None = None) -> PendingLogprobs | None:
+        """The log-probability kernels' first phase over the reporting rows' raw `logits`, on
+        `stream` (after the current stream's work so far) or else the current stream."""
+        from kernels.logprobs import logprob_chunks
+
+        reporting = self._reporting(logits, rows)
+        if reporting is None:
+            return None
+        wanted, sel, top = reporting
+        buffers = self._logprob_buffers(len(wanted), top)
+        if stream is None:
             logprob_chunks(sel, top, buffers.scratch)
         else:
-            wanted, sel, top, buffers = pending.batch_rows, pending.logits, pending.top, \
-                pending.buffers
-            torch.cuda.current_stream(self.device).wait_stream(pending.stream)
-        logprob_rows(sel, top, buffers.scratch, out=buffers.top,
-                     sampled=(self._wanted(tokens, rows, wanted), buffers.token))
-        return LogprobReport(wanted, buffers.table)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the logits are written
+            with torch.cuda.stream(stream):
+                logprob_chunks(sel, top, buffers.scratch)
+            # `sel` may be a gather: the allocator must not hand its memory to the main stream's
+            # next work before the side stream has read it (the buffers live in `_lp_buffers`).
+            sel.record_stream(stream)
+        return PendingLogprobs(wanted, sel, top, buffers, stream)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
