@@ -171,7 +171,7 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
         collector = _Collector([p.n for p in params])
         for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self.scheduler.submit(ids, p, collector.callback_for(i), checked[i])
+            self.scheduler.submit(ids, p, collector.callback_for(i), checked[i], stream=False)
         return collector.wait()
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:

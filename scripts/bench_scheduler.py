@@ -45,11 +45,12 @@ from minisgl_backend.testing.instant_engine import InstantEngine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_structured_output as structured  # its JSON schema and request parameters
 
-HEADER = ("requests", "output tokens", "steps", "page", "overlap", "total s", "us/step",
-          "us/output token")
-GUIDED_HEADER = ("batch", "config", "fill workers", "overlap", "steps", "us/step",
+HEADER = ("requests", "output tokens", "steps", "page", "overlap", "outputs", "total s",
+          "us/step", "us/output token")
+GUIDED_HEADER = ("batch", "config", "fill workers", "overlap", "outputs", "steps", "us/step",
                  "vs unguided")
 GUIDED_VOCAB = 128256  # Llama 3's tokenizer, exactly
+OUTPUTS = ("stream", "whole")  # the scheduler's outputs: per token, or per request at its end
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,13 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grammar-workers", type=int, nargs="+", default=[0, 4],
                         help="with --guided-batch: time the JSON-schema runs with each of these "
                         "numbers of mask-fill worker processes")
+    parser.add_argument("--outputs", nargs="+", choices=OUTPUTS, default=list(OUTPUTS),
+                        help="stream: an output per token (a streaming request); whole: one "
+                        "output per request at its end (LLM.generate, a non-streaming request)")
     return parser.parse_args(argv)
 
 
-def drive(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams, Any]]
-          ) -> tuple[float, int, list[str]]:
-    """Submit every (prompt, params, checked or None) request, wait for all to finish, shut the
-    scheduler down: (seconds, output tokens, errors)."""
+def drive(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams, Any]],
+          outputs: str) -> tuple[float, int, list[str]]:
+    """Submit every (prompt, params, checked or None) request, its outputs streamed or whole
+    (`outputs`), wait for all to finish, shut the scheduler down: (seconds, output tokens,
+    errors)."""
     remaining, done, tokens, errors = len(requests), threading.Event(), 0, []
 
     def on_output(out: RequestOutput) -> None:  # on the scheduler thread
@@ -94,7 +99,7 @@ def drive(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams, 
     try:
         start = time.perf_counter()
         for prompt, params, checked in requests:
-            scheduler.submit(prompt, params, on_output, checked)
+            scheduler.submit(prompt, params, on_output, checked, stream=outputs == "stream")
         if not done.wait(timeout=600):
             raise RuntimeError(f"{remaining} requests did not finish")
         seconds = time.perf_counter() - start
@@ -103,7 +108,8 @@ def drive(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams, 
     return seconds, tokens, errors
 
 
-def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[float, int, int]:
+def run_once(args: argparse.Namespace, page_size: int, overlap: bool, outputs: str
+             ) -> tuple[float, int, int]:
     """(seconds, output tokens, steps) of one pass of the workload through a fresh scheduler."""
     workload = anchor_workload(args.vocab_size, args.num_requests, args.min_len, args.max_len)
     longest = max(len(p) + s.max_tokens for p, s in zip(workload.prompts, workload.params))
@@ -116,8 +122,9 @@ def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[f
         chunked_prefill_size=args.chunked_prefill_size)
     scheduler = Scheduler(config, tokenizer=None, eos_ids=frozenset(),
                           vocab_size=args.vocab_size, engine=engine)  # type: ignore[arg-type]
-    seconds, tokens, _ = drive(scheduler, [(prompt, params, None) for prompt, params
-                                           in zip(workload.prompts, workload.params)])
+    requests = [(prompt, params, None) for prompt, params in zip(workload.prompts,
+                                                                 workload.params)]
+    seconds, tokens, _ = drive(scheduler, requests, outputs)
     if tokens != workload.output_tokens:
         raise RuntimeError(f"{tokens} tokens generated, the workload asks for "
                            f"{workload.output_tokens}")
@@ -125,7 +132,7 @@ def run_once(args: argparse.Namespace, page_size: int, overlap: bool) -> tuple[f
 
 
 def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: bool,
-               max_tokens: int, workers: int) -> tuple[float, int]:
+               outputs: str, max_tokens: int, workers: int) -> tuple[float, int]:
     """(scheduler seconds, steps) of `--guided-batch` requests of `max_tokens` each, under the
     JSON schema (of `--max-tokens` items) or not, with `workers` mask-fill processes (up
     before the clock starts); the stand-in's time picking allowed tokens is taken out."""
@@ -148,7 +155,7 @@ def run_guided(args: argparse.Namespace, tokenizer: Any, guided: bool, overlap: 
         scheduler.fill_pool.start(checked.grammar.tokenizer_info)
         if not scheduler.fill_pool.wait_ready(300):
             raise RuntimeError("the mask-fill workers did not start")
-    seconds, tokens, errors = drive(scheduler, [(prompt, params, checked)] * batch)
+    seconds, tokens, errors = drive(scheduler, [(prompt, params, checked)] * batch, outputs)
     if errors or tokens != batch * max_tokens:
         raise RuntimeError(f"{tokens} tokens of {batch * max_tokens}; errors: {errors[:3]}")
     pool = scheduler.fill_pool
@@ -169,18 +176,18 @@ def main_guided(args: argparse.Namespace) -> None:
                                         eos_token="<|end_of_text|>")
     workers = args.grammar_workers
     rows = []
-    for overlap in (True, False):
+    for overlap, outputs in [(o, out) for o in (True, False) for out in args.outputs]:
         base = None
         for guided, count in [(False, 0)] + [(True, n) for n in workers]:
             # Admission and prefill (a matcher per request) taken out: a 1-token run's time.
             (t_long, n_long), (t_one, n_one) = (
-                min(run_guided(args, tokenizer, guided, overlap, tokens, count)
+                min(run_guided(args, tokenizer, guided, overlap, outputs, tokens, count)
                     for _ in range(args.repeats)) for tokens in (args.max_tokens, 1))
             steps = n_long - n_one
             per_step = max(t_long - t_one, 1e-9) / steps
             base = base or per_step
             rows.append([str(args.guided_batch), "json_schema" if guided else "unguided",
-                         str(count), "on" if overlap else "off", str(steps),
+                         str(count), "on" if overlap else "off", outputs, str(steps),
                          f"{per_step * 1e6:.1f}", f"{per_step / base:.2f}x"])
             print(" | ".join(rows[-1]), flush=True)
     print(f"\nscheduler host time per step with an instant engine ({args.guided_batch} "
@@ -196,11 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for page_size in args.page_sizes:
-        for overlap in (True, False):
-            seconds, tokens, steps = min(run_once(args, page_size, overlap)
+        for overlap, outputs in [(o, out) for o in (True, False) for out in args.outputs]:
+            seconds, tokens, steps = min(run_once(args, page_size, overlap, outputs)
                                          for _ in range(args.repeats))
             rows.append([str(args.num_requests), str(tokens), str(steps), str(page_size),
-                         "on" if overlap else "off", f"{seconds:.3f}",
+                         "on" if overlap else "off", outputs, f"{seconds:.3f}",
                          f"{seconds / steps * 1e6:.1f}", f"{seconds / tokens * 1e6:.2f}"])
             print(" | ".join(rows[-1]), flush=True)
     print(f"\nscheduler host time with an instant engine (anchor workload: lengths "

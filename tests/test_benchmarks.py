@@ -358,31 +358,33 @@ def test_bench_scheduler_runs_the_workload_through_the_real_scheduler() -> None:
         capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
-    assert header[:5] == ["requests", "output tokens", "steps", "page", "overlap"]
-    assert [(row[3], row[4]) for row in rows] == [("1", "on"), ("1", "off"), ("16", "on"),
-                                                  ("16", "off")]
+    assert header[:6] == ["requests", "output tokens", "steps", "page", "overlap", "outputs"]
+    assert [tuple(row[3:6]) for row in rows] == [
+        (page, overlap, outputs) for page in ("1", "16") for overlap in ("on", "off")
+        for outputs in ("stream", "whole")]
     workload = anchor_workload(151936, 12, 4, 40)
     assert all(int(row[1]) == workload.output_tokens for row in rows)
-    assert all(number(cell) > 0 for row in rows for cell in row[5:])
+    assert all(number(cell) > 0 for row in rows for cell in row[6:])
 
 
 def test_bench_scheduler_times_guided_steps_against_unguided() -> None:
     """--guided-batch: every token of the JSON-schema requests is one their grammar allowed (a
     request with one it did not would end in an error, which the script raises), with overlap
     on and off, the masks filled on the scheduler's thread or by a worker process (16 rows: the
-    workers' least); the table ends the output."""
+    workers' least), the outputs streamed or whole; the table ends the output."""
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_scheduler.py"), "--guided-batch", "16",
          "--max-tokens", "24", "--repeats", "1", "--grammar-workers", "0", "1"],
         capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     header, rows = last_table(run.stdout)
-    assert header == ["batch", "config", "fill workers", "overlap", "steps", "us/step",
-                      "vs unguided"]
-    assert [tuple(row[1:4]) for row in rows] == [
-        ("unguided", "0", "on"), ("json_schema", "0", "on"), ("json_schema", "1", "on"),
-        ("unguided", "0", "off"), ("json_schema", "0", "off"), ("json_schema", "1", "off")]
-    assert all(int(row[4]) == 23 and number(row[5]) > 0 for row in rows)  # decode steps
+    assert header == ["batch", "config", "fill workers", "overlap", "outputs", "steps",
+                      "us/step", "vs unguided"]
+    assert [tuple(row[1:5]) for row in rows] == [
+        (config, workers, overlap, outputs) for overlap in ("on", "off")
+        for outputs in ("stream", "whole")
+        for config, workers in (("unguided", "0"), ("json_schema", "0"), ("json_schema", "1"))]
+    assert all(int(row[5]) == 23 and number(row[6]) > 0 for row in rows)  # decode steps
 
 
 def test_bench_sampling_controls_prints_every_control_side_by_side() -> None:

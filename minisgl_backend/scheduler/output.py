@@ -37,6 +37,9 @@ class RequestOutput:
     reused_pages: int = 0
     admitted_ns: int = 0
     emitted_ns: int = 0
+    # When the first of `token_ids` was taken, if long before `emitted_ns` (an output that
+    # waited for the request's end: `Scheduler.submit(stream=False)`); else 0.
+    first_token_ns: int = 0
     # With SamplingParams.return_context_logits: the prompt's logits [prompt tokens, vocab]
     # (float32), on the request's first output; with return_generation_logits: the raw logits
     # of each token of `token_ids` [tokens, vocab].
@@ -98,13 +101,18 @@ class OutputTracker:
     the scheduler needs before it schedules the next step; the delta's text and its output
     (the detokenizer, the log-probability dicts, the callback) wait for `flush`, which the
     scheduler calls once that next step is sent, so that they are off the path between two
-    steps. A request with stop strings detokenizes at once (the text decides its end)."""
+    steps. A request with stop strings detokenizes at once (the text decides its end).
+
+    `stream` False: the caller wants only the whole output (`LLM.generate`, a non-streaming
+    Triton request). The deltas then wait for the request's end and leave as one output, whose
+    text is decoded in one go: no detokenizer call and no output per token."""
 
     def __init__(self, req: Req, tokenizer: Any, eos_ids: frozenset[int],
-                 callback: OutputCallback) -> None:
+                 callback: OutputCallback, stream: bool = True) -> None:
         params = req.sampling_params
         self.req = req
         self.callback = callback
+        self.stream = stream
         self.stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_ids)
         self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input_ids[: req.prompt_len])
                             if tokenizer is not None else None)
@@ -114,6 +122,7 @@ class OutputTracker:
         self._context: list[np.ndarray] = []  # prompt logits, chunk by chunk
         self._context_sent = False
         self._guide_took: tuple[int, bool] | None = None  # (token, accepted) ahead of add_token
+        self._first_token_ns = 0  # without `stream`: when the first token was taken
 
     @staticmethod
     def advance_guides(trackers: list[OutputTracker], tokens: list[int]) -> None:
@@ -157,6 +166,8 @@ class OutputTracker:
         emitted by `flush`."""
         req = self.req
         req.input_ids.append(token)
+        if not self.stream and not self._first_token_ns:
+            self._first_token_ns = time.time_ns()
         reason, error, counted, text = None, None, True, None
         if token in self.stop_ids:  # EOS or a stop token: its text is not part of the output
             reason, counted = "stop", False
@@ -166,7 +177,7 @@ class OutputTracker:
         else:
             stopped = False
             if self._text_decides:
-                text, stopped = self._text_of(token)
+                text, stopped = self._text_of([token])
             # A grammar without stop tokens to end it (ignore_eos) ends the request itself.
             if stopped or (req.guide is not None and req.guide.finished):
                 reason = "stop"
@@ -179,25 +190,54 @@ class OutputTracker:
                                     req.accepted))
         return reason is not None
 
-    def flush(self) -> None:
-        """Emit the deltas of the tokens added since the last flush, in order."""
+    def flush(self, ending: bool = False) -> None:
+        """Emit the deltas of the tokens added since the last flush, in order: each as an output
+        of its own, or without `stream` all as one output once the request has ended (or is
+        `ending`: aborted, failed)."""
+        if not self.stream:
+            if self._pending and (ending or self._pending[-1].reason is not None):
+                pending, self._pending = self._pending, []
+                if pending[-1].error is not None and len(pending) > 1:  # the tokens, then it
+                    self._emit(pending[:-1], self._text(pending[:-1], ending))
+                    pending = pending[-1:]
+                self._emit(pending, self._text(pending, ending))
+            return
         pending, self._pending = self._pending, []
         for delta in pending:
-            text = delta.text
-            if text is None:
-                if not delta.counted:
-                    text = self._flush()
-                else:
-                    text, _ = self._text_of(delta.token)
-                    if delta.reason == "length":
-                        text += self._flush()
-            self._emit(delta, text)
+            self._emit([delta], self._text([delta]))
 
-    def _text_of(self, token: int) -> tuple[str, bool]:
-        """The text `token` adds (stop strings cut), and whether a stop string matched."""
+    def _text(self, deltas: list[_Delta], one_by_one: bool = False) -> str:
+        """The text of consecutive deltas: those detokenized at `add_token` as they were, the
+        others' tokens pushed to the detokenizer together (or `one_by_one`, as a stream does:
+        an abort then leaves out the same held-back text). The request's end lets out what the
+        detokenizer holds back."""
+        parts: list[str] = []
+        run: list[int] = []  # tokens to push together
+
+        def push() -> None:
+            if run:
+                parts.append(self._text_of(run)[0])
+                run.clear()
+
+        for delta in deltas:
+            if delta.text is not None:
+                push()
+                parts.append(delta.text)
+            elif delta.counted:
+                run.append(delta.token)
+                if one_by_one:
+                    push()
+            if delta.text is None and delta.reason is not None:
+                push()
+                parts.append(self._flush())
+        push()
+        return "".join(parts)
+
+    def _text_of(self, tokens: list[int]) -> tuple[str, bool]:
+        """The text `tokens` add (stop strings cut), and whether a stop string matched."""
         if self.detokenizer is None:
             return "", False
-        return self.matcher.feed(self.detokenizer.push([token]))
+        return self.matcher.feed(self.detokenizer.push(tokens))
 
     def _flush(self) -> str:
         if self.detokenizer is None:
@@ -205,14 +245,16 @@ class OutputTracker:
         text, _ = self.matcher.feed(self.detokenizer.flush())
         return text + self.matcher.flush()
 
-    def _emit(self, delta: _Delta | None, text: str, reason: str | None = None,
+    def _emit(self, deltas: list[_Delta], text: str, reason: str | None = None,
               error: str | None = None) -> None:
-        """A delta's output (`delta` None: the end without a token, `reason` and `error`)."""
+        """The output of consecutive deltas (none: the end without a token, `reason` and
+        `error`)."""
         req = self.req
-        if delta is not None:
-            tokens, reason, error = [delta.token], delta.reason, delta.error
-            pages, reused, drafted, accepted = (delta.pages, delta.reused_pages, delta.drafted,
-                                                delta.accepted)
+        if deltas:
+            last = deltas[-1]
+            tokens, reason, error = [delta.token for delta in deltas], last.reason, last.error
+            pages, reused, drafted, accepted = (last.pages, last.reused_pages, last.drafted,
+                                                last.accepted)
         else:
             tokens = []
             pages, reused, drafted, accepted = (len(req.pages), req.reused_pages, req.drafted,
@@ -223,23 +265,26 @@ class OutputTracker:
             error=error, index=req.index, pages=pages, reused_pages=reused,
             admitted_ns=req.admitted_ns, emitted_ns=time.time_ns(),
             draft_tokens=drafted, accepted_draft_tokens=accepted,
+            first_token_ns=self._first_token_ns if tokens else 0,
         )
-        if delta is not None and delta.logits is not None:
-            out.generation_logits = delta.logits[None]
+        logits = [delta.logits for delta in deltas if delta.logits is not None]
+        if logits:
+            out.generation_logits = np.stack(logits)
         if self._context and not self._context_sent:
             out.context_logits = np.concatenate(self._context)
             self._context, self._context_sent = [], True
         top = req.sampling_params.logprobs
         if top is not None:
             out.logprobs, out.top_logprobs = [], []
-            if delta is not None and delta.logprobs is not None:
-                token_lp, ids, values = delta.logprobs
-                out.logprobs.append(token_lp)
-                out.top_logprobs.append(dict(zip(ids[:top], values[:top])))
+            for delta in deltas:
+                if delta.logprobs is not None:
+                    token_lp, ids, values = delta.logprobs
+                    out.logprobs.append(token_lp)
+                    out.top_logprobs.append(dict(zip(ids[:top], values[:top])))
         self.callback(out)
 
     def fail(self, reason: str, message: str) -> None:
         """End the request without more tokens (aborted, or the engine failed), after the
         deltas still pending."""
-        self.flush()
-        self._emit(None, "", reason, error=message)
+        self.flush(ending=True)
+        self._emit([], "", reason, error=message)

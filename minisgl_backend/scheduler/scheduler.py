@@ -107,6 +107,7 @@ class CheckedRequest:
 class _Submit:
     reqs: list[Req]  # the request's samples (`n` of them)
     callback: OutputCallback
+    stream: bool  # outputs as the tokens come, else each sample's whole output at its end
 
 
 @dataclass
@@ -221,7 +222,8 @@ class Scheduler:
         return CheckedRequest(bans, self.grammars.compile(params))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               callback: OutputCallback, checked: CheckedRequest | None = None) -> int:
+               callback: OutputCallback, checked: CheckedRequest | None = None,
+               stream: bool = True) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
         A request with `params.n` samples runs as n requests with uids `uid .. uid + n - 1`,
@@ -231,7 +233,9 @@ class Scheduler:
         engine or a scheduler that was shut down ends every sample through `callback` with an
         error. Uids follow the order requests are queued in. `abort(uid)` ends all samples.
         `checked`: what `check_request` already returned for this request (else it runs here,
-        before the lock: a first grammar compile may take a while).
+        before the lock: a first grammar compile may take a while). `stream` False: each
+        sample's tokens and text come in one output at its end (`OutputTracker`), which saves
+        the scheduler's thread the work of one output and text delta per token.
         """
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         error = None
@@ -251,7 +255,7 @@ class Scheduler:
                 for req in reqs:
                     req.bans, req.wait_for = checked.bans, (reqs[0] if req.index else None)
                     req.grammar = checked.grammar
-                self._inbox.put(_Submit(reqs, callback))
+                self._inbox.put(_Submit(reqs, callback, stream))
                 return uid
         for req in reqs:
             callback(RequestOutput(req.uid, [], "", True, "error", req.prompt_len, 0, error,
@@ -363,7 +367,7 @@ class Scheduler:
         return True
 
     def _accept(self, item: _Submit) -> None:
-        trackers = [OutputTracker(req, self.tokenizer, self.eos_ids, item.callback)
+        trackers = [OutputTracker(req, self.tokenizer, self.eos_ids, item.callback, item.stream)
                     for req in item.reqs]
         if self._dead is not None:
             for tracker in trackers:
@@ -676,11 +680,13 @@ class Scheduler:
                 continue  # a prompt chunk, or a request that ended after this step was sent
             tokens = (self.speculator.settle(req, sampled[first:slot])
                       if req.drafts or req.explicit else [sampled[first]])
-            if tokens and not tracker.has_pending:
+            if tokens and tracker.stream and not tracker.has_pending:
                 self._unflushed.append(tracker)
             for j, token in enumerate(tokens):
                 if tracker.add_token(token, logprobs.get(first + j),
                                      generation_logits.get(first + j)):
+                    if not tracker.stream:  # its one output, with the next flush
+                        self._unflushed.append(tracker)
                     # Ended inside kept drafts: its KV holds every token it keeps.
                     req.cached_len = min(req.cached_len, len(req.input_ids))
                     self._finish(req)

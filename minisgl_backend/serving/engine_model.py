@@ -147,7 +147,8 @@ class TritonPythonModel:
             return
         state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
         state.uid = self.scheduler.submit(parsed.prompt_ids, parsed.params,
-                                          lambda out: self.outputs.put((state, out)), checked)
+                                          lambda out: self.outputs.put((state, out)), checked,
+                                          stream=parsed.stream)
         self.submitted.put(state)
 
     # ----- response thread ------------------------------------------------------------------
@@ -320,7 +321,7 @@ class TritonPythonModel:
     @staticmethod
     def _add_tokens(seq: SequenceState, out: RequestOutput) -> None:
         if out.token_ids:
-            seq.first_token_ns = seq.first_token_ns or out.emitted_ns
+            seq.first_token_ns = seq.first_token_ns or out.first_token_ns or out.emitted_ns
             seq.last_token_ns = out.emitted_ns
         seq.token_ids.extend(out.token_ids)
         if out.logprobs:
