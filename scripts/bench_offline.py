@@ -11,10 +11,12 @@ call, and
 
 The model folder holds the shape's benchmark tokenizer (`minisgl_backend.benchmark.tokenizer`:
 Llama 3's for the Llama-3.1-8B shape, a word-level one over the vocabulary otherwise), so every
-generated token is detokenized inside the timed call, as upstream and serving do.
+generated token is detokenized inside the timed call, as upstream and serving do (`generate`
+takes whole outputs: each request's text is decoded at its end, in one go).
 `--detokenize off` leaves the tokenizer out; `--detokenize both` runs off, then on (a fresh
 engine each) and prints what the detokenizer costs, end to end and alone (this process
-detokenizing the same outputs again); `--detokenize replay` runs no engine, only the
+detokenizing the same outputs again token by token, as for a stream);
+`--detokenize replay` runs no engine, only the
 detokenizer on random outputs of the workload's lengths (its CPU time, on any machine).
 
     python scripts/bench_offline.py                            # Llama-3.1-8B shape on the GPU
@@ -112,8 +114,8 @@ def timed_run(args: argparse.Namespace, workload: Workload, detokenize: bool) ->
 def detokenize_alone(tokenizer: Any, prompts: Sequence[Sequence[int]],
                      outputs: Sequence[Sequence[int]]) -> float:
     """Seconds this process takes to detokenize `outputs` token by token, as the scheduler does
-    (one `IncrementalDetokenizer` per request, given its prompt): the detokenizer's CPU time
-    without the engine around it."""
+    for a streaming request (one `IncrementalDetokenizer` per request, given its prompt): the
+    detokenizer's CPU time without the engine around it."""
     start = time.perf_counter()
     for prompt, output in zip(prompts, outputs):
         detokenizer = IncrementalDetokenizer(tokenizer, prompt)
