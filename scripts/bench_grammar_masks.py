@@ -139,10 +139,10 @@ def measure(compiled: xgr.CompiledGrammar, rows: int, words: int, vocab_size: in
 
     cells.append(timed(apply, args.steps))
     # How the masks reach the engine process: through its pipe (encoded, sent, decoded), or
-    # written in the shared mask buffer with only MASKS_READY sent.
+    # written in the shared mask buffer with only the MASKS message (`masks_ready`) sent.
     cells.append(timed(lambda: round_trip(conn, protocol.encode(protocol.MASKS, {
         "masks": masks})), args.steps))
-    cells.append(timed(partial(round_trip, conn, protocol.MASKS_READY), args.steps))
+    cells.append(timed(partial(round_trip, conn, protocol.masks_ready(1)), args.steps))
     return cells
 
 
@@ -161,7 +161,7 @@ def main() -> None:
           + ", ".join(f"{fill_threads(rows)} thread(s) at {rows} rows" for rows in args.rows)
           + f"; xgrammar's default would be {os.cpu_count() // 2}")
     header = ["rows", "one by one"] + [f"batch, {t} threads" for t in args.threads] + [
-        "fill_masks", "accept", "copy + apply", "masks through a pipe", "buffer + MASKS_READY"]
+        "fill_masks", "accept", "copy + apply", "masks through a pipe", "buffer + MASKS message"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     ours, theirs = mp.get_context("spawn").Pipe(duplex=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections import deque
 from multiprocessing import reduction
 from types import SimpleNamespace
 
@@ -121,12 +122,13 @@ def test_decode_step_without_admissions_carries_no_prefill_or_admit_fields() -> 
 
 def test_a_step_whose_masks_follow_says_so_and_names_its_mask_half() -> None:
     msg = StepMessage(is_prefill=False, rows=[0, 1, 2], guide_rows=[2], mask_half=[1],
-                      masks_follow=True)
+                      mask_seq=[7], masks_follow=True)
     back = StepMessage.from_bytes(msg.to_bytes())
     assert back.masks_follow and back.guide_rows.tolist() == [2]
-    assert back.mask_half.tolist() == [1]
+    assert back.mask_half.tolist() == [1] and back.mask_seq.tolist() == [7]
     assert not StepMessage.from_bytes(StepMessage(is_prefill=False).to_bytes()).masks_follow
-    assert decode(protocol.MASKS_READY) == (protocol.MASKS, {})  # the masks are in the buffer
+    kind, arrays = decode(protocol.masks_ready(7))  # the masks of step 7 are in the buffer
+    assert kind == protocol.MASKS and arrays["mask_seq"].tolist() == [7]
 
 
 def test_mask_buffer_halves_are_shared_through_the_handed_descriptor() -> None:
@@ -241,3 +243,42 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     assert arrays["starts"].tolist() == [0] and arrays["extend_lens"].tolist() == [5]
     assert arrays["tokens"].tolist() == [7] * 5
     assert arrays["admit_rows"].tolist() == [new.table_idx]
+
+
+def test_the_host_wait_for_masks_keeps_an_earlier_step_and_skips_older_masks() -> None:
+    """The scheduler sends step N+2 before the masks of step N+1, and a step whose sampling
+    the device held for its masks leaves its MASKS message behind: waiting for step N+1's
+    masks keeps the STEP that came first and skips the older MASKS."""
+    from minisgl_backend.engine.worker import _wait_for_masks
+
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    later = StepMessage(is_prefill=False, rows=[0], guide_rows=[0], mask_half=[0],
+                        mask_seq=[3], masks_follow=True).to_bytes()
+    for data in (protocol.masks_ready(1), later, protocol.masks_ready(2),
+                 protocol.masks_ready(9)):
+        ours.send_bytes(data)
+    waiting = StepMessage(is_prefill=False, rows=[0], mask_seq=[2], masks_follow=True)
+    early: deque[bytes] = deque()
+    _wait_for_masks(theirs, waiting, early)
+    assert list(early) == [later]
+    assert decode(theirs.recv_bytes())[1]["mask_seq"].tolist() == [9]  # left for later
+    ours.send_bytes(protocol.encode(protocol.SHUTDOWN, {}))
+    with pytest.raises(EOFError):  # the scheduler stopped before the masks
+        _wait_for_masks(theirs, waiting, early)
+
+
+def test_the_ready_word_follows_the_masks_and_every_mapping_sees_it() -> None:
+    """`mark_ready` writes the step's `mask_seq` after its masks, in the memory every process
+    maps: what a GPU rank's stream waits for."""
+    from minisgl_backend.engine.mask_buffer import MASKS_RELEASED
+
+    writer = MaskBuffer(slots=2, words=3)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    writer.share(ours, os.getpid())
+    reader = MaskBuffer(2, 3, reduction.recv_handle(theirs))
+    writer.view(1, 2)[:] = 5
+    writer.mark_ready(4)
+    assert reader.ready == 4 and (reader.view(1, 2) == 5).all()
+    assert reader.ready_address % 8 == 0 and reader.ready_address != writer.ready_address
+    reader.mark_ready(MASKS_RELEASED)  # an engine's release at shutdown
+    assert writer.ready == MASKS_RELEASED

@@ -31,7 +31,8 @@ from minisgl_backend.engine.controls import (
     RowParams,
 )
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
-from minisgl_backend.engine.mask_buffer import MaskBuffer
+from minisgl_backend.engine.device_wait import HostWordWait
+from minisgl_backend.engine.mask_buffer import MASKS_RELEASED, MaskBuffer
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
 from minisgl_backend.engine.sampler import (
     SamplingTensors,
@@ -188,6 +189,7 @@ class Engine:
         backend = "nccl" if device_type == "cuda" else "gloo"
         init_process_group(rank, config.tp_size, init_file, backend)
         self._mask_buffer: MaskBuffer | None = None  # the scheduler's (`attach_masks`)
+        self._masks_wait: HostWordWait | None = None  # the device's wait for them, on a GPU
         self.model_config = ModelConfig.from_folder(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
         free_before = self._free_memory()
@@ -352,6 +354,26 @@ class Engine:
             logger.warning("the guide mask buffer could not be page-locked: masks are copied "
                            "through pinned memory")
         self._mask_buffer = buffer
+        if buffer.page_locked:
+            self._masks_wait = HostWordWait(buffer.ready_address)
+
+    def wait_for_masks_on_device(self, msg: StepMessage) -> bool:
+        """For a step sent with `masks_follow`: queue the device's wait for its masks (the
+        scheduler marks them ready in the mask buffer), so that `finish` may launch its sampling
+        now and the host go on to the next step. False where the device cannot wait: the host
+        then waits for the MASKS message before `finish`."""
+        if self._masks_wait is None or not len(msg.mask_seq):
+            return False
+        if self._masks_wait.enqueue(int(msg.mask_seq[0])):
+            return True
+        self._masks_wait = None  # the driver cannot: the host waits from now on
+        return False
+
+    def release_mask_waits(self) -> None:
+        """Let every device wait for masks go on (the scheduler stopped before writing some:
+        the steps' tokens are dropped), so that the device does not wait forever."""
+        if self._masks_wait is not None and self._mask_buffer is not None:
+            self._mask_buffer.mark_ready(MASKS_RELEASED)
 
     @torch.inference_mode()
     def finish(self, step: StartedStep) -> StepHandle:

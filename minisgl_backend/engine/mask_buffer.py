@@ -8,6 +8,10 @@ rows on the H200 host). Nothing is left behind on disk or in /dev/shm: the memor
 the last process that maps it. The creator keeps its descriptor (closed with the buffer) to
 share it later with the mask-fill workers (`grammar.fill_pool`), which write rows of it too.
 
+After the masks, an int64 "ready word": the scheduler writes into it the `mask_seq` of the
+step whose masks it has just written, and a GPU rank's stream waits for that value before it
+copies them (`engine.device_wait`), so that the rank's host need not wait.
+
 The buffer has two halves; a step's masks go in the half of its step number's parity. The
 scheduler writes a step's masks once the step before it has been answered (or before sending
 it, when nothing is in flight), and every rank's device copies them out before it samples that
@@ -30,6 +34,9 @@ import numpy as np
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.grammar import mask_words
 
+# The ready word's value past every step's `mask_seq`: every wait for masks goes on.
+MASKS_RELEASED = 1 << 62
+
 
 class MaskBuffer:
     """[2, slots, words] int32 (bit set: the token may be sampled) in shared memory."""
@@ -37,7 +44,8 @@ class MaskBuffer:
     def __init__(self, slots: int, words: int, fd: int | None = None) -> None:
         """A new buffer (zeros), or, with `fd`, the mapping of one another process made."""
         shape = (2, max(1, slots), words)
-        size = int(np.prod(shape)) * 4
+        masks_size = int(np.prod(shape)) * 4  # a multiple of 8: the ready word is aligned
+        size = masks_size + 8
         owned = fd is None
         if fd is None:
             fd = os.memfd_create("minisgl-guide-masks", os.MFD_CLOEXEC)
@@ -50,7 +58,10 @@ class MaskBuffer:
         self._fd = fd if owned else None
         if owned:
             weakref.finalize(self, os.close, fd)
-        self._array = np.frombuffer(self._mmap, dtype=np.int32).reshape(shape)
+        self._array = np.frombuffer(self._mmap, dtype=np.int32, count=masks_size // 4
+                                    ).reshape(shape)
+        # The ready word: the `StepMessage.mask_seq` of the last step whose masks are written.
+        self._ready = np.frombuffer(self._mmap, dtype=np.int64, count=1, offset=masks_size)
         self.page_locked = False
 
     @classmethod
@@ -78,8 +89,8 @@ class MaskBuffer:
         import torch
 
         ptr = self._array.ctypes.data
-        self.page_locked = int(torch.cuda.cudart().cudaHostRegister(ptr, self._array.nbytes,
-                                                                    0)) == 0
+        self.page_locked = int(torch.cuda.cudart().cudaHostRegister(
+            ptr, self._array.nbytes + self._ready.nbytes, 0)) == 0
         if self.page_locked:
             # Before the memory is unmapped: a range left registered would refuse the next
             # mapping placed there.
@@ -95,6 +106,21 @@ class MaskBuffer:
     @property
     def words(self) -> int:
         return self._array.shape[2]
+
+    @property
+    def ready_address(self) -> int:
+        """Where the ready word lies in this process (page-locked with the masks)."""
+        return self._ready.ctypes.data
+
+    @property
+    def ready(self) -> int:
+        """The ready word: the `mask_seq` of the last step whose masks are written."""
+        return int(self._ready[0])
+
+    def mark_ready(self, seq: int) -> None:
+        """The masks of the step whose `mask_seq` is `seq` are written (a device waiting for
+        that value goes on; x86 keeps the masks' stores before this one)."""
+        self._ready[0] = seq
 
     def view(self, half: int, slots: int) -> np.ndarray:
         """The first `slots` rows of half `half` (0 or 1; a step's is its number % 2) as

@@ -18,7 +18,8 @@ from minisgl_backend.core import ROW_DTYPES
 
 # Message kinds, scheduler -> engine. The engine answers every STEP with its tokens once they
 # are on the host (with overlap on, the scheduler has sent the next STEP by then). MASKS follows
-# a STEP sent with `masks_follow`: its guided rows' token masks are written.
+# a STEP sent with `masks_follow` (after the STEP after it, if any): its guided rows' token
+# masks are written.
 STEP, SHUTDOWN, MASKS = 1, 2, 4
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
@@ -129,8 +130,11 @@ class StepMessage:
     mask_half: Values = _array("uint8")
     # With overlap on, a guided row's mask needs the token of the step before, which the
     # scheduler reads while this step's forward runs: the masks are then written after this
-    # message, a MASKS message (`MASKS_READY`) says they are, and the engine waits for it only
-    # to sample.
+    # message (and after the next step's message), a MASKS message (`masks_ready`) says they
+    # are, and the engine waits for it only to sample. On a GPU the device waits instead: the
+    # scheduler then also writes `mask_seq` (one value, counting such steps from 1) into the
+    # mask buffer's ready word (`MaskBuffer.mark_ready`).
+    mask_seq: Values = _array("int64")
     masks_follow: bool = False
 
     def to_bytes(self) -> bytes:
@@ -166,8 +170,10 @@ class StepMessage:
         return msg
 
 
-# The MASKS message that follows a step sent with `masks_follow`, once its masks are written.
-MASKS_READY = encode(MASKS, {})
+def masks_ready(seq: int) -> bytes:
+    """The MASKS message that follows the step sent with `masks_follow` and `mask_seq` `seq`,
+    once its masks are written."""
+    return encode(MASKS, {"mask_seq": np.asarray([seq], dtype=np.int64)})
 
 
 _ARRAY_FIELDS = [f for f in fields(StepMessage) if "dtype" in f.metadata]

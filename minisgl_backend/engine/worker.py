@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -132,33 +133,48 @@ def _serve_steps(engine: Engine, conn: Connection, reply: bool,
     on the host (`_Replier`). With overlap the scheduler sends step N+1 before it reads step
     N's tokens, so the device computes step N+1 while the scheduler handles step N's; without
     it, the scheduler waits for each step's reply before sending the next. A STEP with
-    `masks_follow` runs its forward, then waits for the MASKS message (the masks, which
-    follow from the step before's tokens, are in the mask buffer) to sample."""
+    `masks_follow` runs its forward, then its sampling waits for the masks (which follow from
+    the step before's tokens): on a GPU the device waits for the mask buffer's ready word and
+    the host goes on at once (its MASKS message is then skipped); otherwise the host waits for
+    the MASKS message, keeping the next STEP if it comes first."""
     replier = _Replier(conn, reply, engine.device)
+    early: deque[bytes] = deque()  # STEPs that came while the host waited for MASKS
     try:
         while True:
             asked = time.perf_counter()
-            kind, arrays = protocol.decode(conn.recv_bytes())
+            kind, arrays = protocol.decode(early.popleft() if early else conn.recv_bytes())
             replier.check()
             if kind == protocol.SHUTDOWN:
                 return
+            if kind == protocol.MASKS:
+                continue  # the masks of a step whose sampling the device held for them
             msg = protocol.StepMessage.from_arrays(arrays)
             if trace is not None:
                 trace.step()
             started = engine.start(msg, waited=time.perf_counter() - asked)
-            if msg.masks_follow:
-                _wait_for_masks(conn)
+            if msg.masks_follow and not engine.wait_for_masks_on_device(msg):
+                _wait_for_masks(conn, msg, early)
             replier.submit(engine.finish(started))
     finally:
+        engine.release_mask_waits()
         replier.close()
 
 
-def _wait_for_masks(conn: Connection) -> None:
-    kind, _ = protocol.decode(conn.recv_bytes())
-    if kind == protocol.SHUTDOWN:
-        raise EOFError  # the scheduler stopped between a step and its masks
-    if kind != protocol.MASKS:
-        raise RuntimeError(f"expected the MASKS of the step before, got message kind {kind}")
+def _wait_for_masks(conn: Connection, msg: protocol.StepMessage, early: deque[bytes]) -> None:
+    """Wait for the MASKS message of `msg` (earlier ones, of steps the device waited for, are
+    skipped), keeping the STEPs that come before it in `early`."""
+    wanted = int(msg.mask_seq[0]) if len(msg.mask_seq) else 0
+    while True:
+        data = conn.recv_bytes()
+        kind, arrays = protocol.decode(data)
+        if kind == protocol.SHUTDOWN:
+            raise EOFError  # the scheduler stopped between a step and its masks
+        if kind == protocol.STEP:
+            early.append(data)
+        elif kind != protocol.MASKS:
+            raise RuntimeError(f"expected the MASKS of the step before, got message kind {kind}")
+        elif int(arrays["mask_seq"][0]) >= wanted:
+            return
 
 
 def _exit_with_parent(private_dir: str) -> None:

@@ -32,7 +32,7 @@ from minisgl_backend.core import (
     wants_context_logits,
 )
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.engine.protocol import MASKS_READY, StepMessage, StepReply
+from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_ready
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, guide_of
 from minisgl_backend.grammar.fill_pool import MaskFillPool
@@ -93,6 +93,7 @@ class _SentStep:
     masks_follow: list[int]  # batch indices of the guided rows whose masks are still to send
     verifies: bool  # some row verifies drafts (or sends its start after rejected ones)
     mask_half: int  # the mask buffer's half of this step's guided rows
+    mask_seq: int = 0  # with masks_follow: its `StepMessage.mask_seq`
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,10 @@ class Scheduler:
         self._long_rope_rows: list[tuple[int, int]] = []
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
+        # The in-flight step's masks, to write once the next step's message is out (with the
+        # rows the mask-fill workers took), and the count of steps sent with masks_follow.
+        self._masks_due: tuple[_SentStep, list[int]] | None = None
+        self._mask_seq = 0
         self.trackers: dict[int, OutputTracker] = {}
         # Trackers holding deltas not yet emitted: emitted once the next step is sent.
         self._unflushed: list[OutputTracker] = []
@@ -412,6 +417,7 @@ class Scheduler:
             for req in self._crossing():
                 self._restart_long(req)
         sent = self._send_next_step()
+        self._send_due_masks()  # the step in flight's, now that the engine has the next step
         self._flush_outputs()  # the step before's outputs, now that the engine has work
         if not self.overlap:
             self._read_tokens(sent)
@@ -420,18 +426,20 @@ class Scheduler:
         if self.in_flight is not None:
             if sent is not None and sent.masks_follow and not any(
                     req.drafts for req in self.in_flight.batch):
-                # The masks wait on the engine: only the grammars follow the tokens first
-                # (while mask-fill workers, if any, fill the masks).
+                # The masks wait on the engine (on its device, on a GPU): only the grammars
+                # follow the tokens first (while mask-fill workers, if any, fill the masks).
+                # The tokens are read next, and the next step's message goes out before the
+                # masks, so that the engine prepares and queues that step meanwhile.
                 reply = self.engine.receive_step(self.config.step_timeout)
                 pairs = self._guided_tokens(self.in_flight, reply)
                 by_workers = self._fill_ahead(sent, pairs)
                 OutputTracker.advance_guides([tracker for tracker, _ in pairs],
                                              [token for _, token in pairs])
-                self._send_masks(sent, by_workers)
                 self._read_tokens(self.in_flight, reply)
+                self._masks_due = (sent, by_workers)
             else:
                 self._read_tokens(self.in_flight)
-        if sent is not None and sent.masks_follow:
+        if sent is not None and sent.masks_follow and self._masks_due is None:
             self._send_masks(sent)
         if sent is not None and sent.verifies:  # the next step's drafts need its tokens
             self._read_tokens(sent)
@@ -470,8 +478,15 @@ class Scheduler:
         """Write the masks that follow step `sent` (but those of rows `by_workers`, which the
         mask-fill workers are filling: `_fill_ahead`) and tell the engine they are there."""
         self._write_masks(sent.batch, sent.masks_follow, sent.mask_half, by_workers or [])
-        self.engine.send(MASKS_READY)
+        self.engine.masks.mark_ready(sent.mask_seq)
+        self.engine.send(masks_ready(sent.mask_seq))
         sent.masks_follow = []
+
+    def _send_due_masks(self) -> None:
+        """The masks of the step in flight, if they wait for the next step's message."""
+        if self._masks_due is not None:
+            due, self._masks_due = self._masks_due, None
+            self._send_masks(*due)
 
     def _send_next_step(self) -> _SentStep | None:
         """Schedule, send and account one step (its computed tokens become cached)."""
@@ -507,13 +522,15 @@ class Scheduler:
         self.num_steps += 1
         return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch],
                          self._guided_rows(batch) if message.masks_follow else [],
-                         verifies=bool(explicit), mask_half=mask_half)
+                         verifies=bool(explicit), mask_half=mask_half,
+                         mask_seq=int(message.mask_seq[0]) if message.masks_follow else 0)
 
     def _read_tokens(self, sent: _SentStep | None, reply: StepReply | None = None) -> None:
         """Process the tokens of `sent` (`reply`, when already received)."""
         if sent is None:
             return
         if reply is None:
+            self._send_due_masks()  # the engine needs them for these tokens
             reply = self.engine.receive_step(self.config.step_timeout)
         self._process(sent, reply)
         if self.config.debug_checks:
@@ -569,6 +586,9 @@ class Scheduler:
                 msg.mask_half = [self._mask_half()]
             # A step in flight holds tokens these masks depend on: they follow once it is read.
             msg.masks_follow = bool(guided) and self.in_flight is not None
+            if msg.masks_follow:
+                self._mask_seq += 1
+                msg.mask_seq = [self._mask_seq]
             if guided and not msg.masks_follow:
                 self._write_masks(batch, guided, self._mask_half())
         return msg
@@ -721,6 +741,7 @@ class Scheduler:
         self.prefill.restarting.clear()
         self.decode.running.clear()
         self.in_flight = None
+        self._masks_due = None
 
 
 __all__ = ["RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerStats", "pages_for"]
