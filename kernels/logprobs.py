@@ -159,8 +159,8 @@ def logprob_stats(logits: torch.Tensor, top: int, chunk: int | None = None,
     columns of one table). `sampled`: (token ids [rows], a float32 [rows] view) to write each
     row's token's log-probability into. `scratch`: working memory of this shape and `chunk`
     (`LogprobScratch.allocate`; `chunk` defaults to its, else to `CHUNK`), whose `lse` is
-    returned. The two phases, `logprob_chunks`
-    then `logprob_rows`, may also be launched apart (on two streams, the second waiting)."""
+    returned. The two phases, `logprob_chunks` then `logprob_rows`, may also be launched
+    apart (on two streams, the second waiting)."""
     logits = _unit_stride(logits)
     if scratch is None:
         scratch = LogprobScratch.allocate(logits.shape[0], logits.shape[1], top, logits.device,

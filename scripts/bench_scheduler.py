@@ -27,6 +27,7 @@ sampling and the next one's: past a decode step's device time, the GPU waits.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import threading
 import time
@@ -176,7 +177,7 @@ def main_guided(args: argparse.Namespace) -> None:
                                         eos_token="<|end_of_text|>")
     workers = args.grammar_workers
     rows = []
-    for overlap, outputs in [(o, out) for o in (True, False) for out in args.outputs]:
+    for overlap, outputs in itertools.product((True, False), args.outputs):
         base = None
         for guided, count in [(False, 0)] + [(True, n) for n in workers]:
             # Admission and prefill (a matcher per request) taken out: a 1-token run's time.
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for page_size in args.page_sizes:
-        for overlap, outputs in [(o, out) for o in (True, False) for out in args.outputs]:
+        for overlap, outputs in itertools.product((True, False), args.outputs):
             seconds, tokens, steps = min(run_once(args, page_size, overlap, outputs)
                                          for _ in range(args.repeats))
             rows.append([str(args.num_requests), str(tokens), str(steps), str(page_size),

@@ -197,41 +197,42 @@ class OutputTracker:
         if not self.stream:
             if self._pending and (ending or self._pending[-1].reason is not None):
                 pending, self._pending = self._pending, []
-                if pending[-1].error is not None and len(pending) > 1:  # the tokens, then it
-                    self._emit(pending[:-1], self._text(pending[:-1], ending))
+                # An abort's text is a stream's: the same held-back text is left out.
+                text_of = self._stream_text if ending else self._whole_text
+                if pending[-1].error is not None and len(pending) > 1:
+                    # The tokens, then the error end on its own (as `merge_deltas` joins them).
+                    self._emit(pending[:-1], text_of(pending[:-1]))
                     pending = pending[-1:]
-                self._emit(pending, self._text(pending, ending))
+                self._emit(pending, text_of(pending))
             return
         pending, self._pending = self._pending, []
         for delta in pending:
-            self._emit([delta], self._text([delta]))
+            self._emit([delta], self._delta_text(delta))
 
-    def _text(self, deltas: list[_Delta], one_by_one: bool = False) -> str:
-        """The text of consecutive deltas: those detokenized at `add_token` as they were, the
-        others' tokens pushed to the detokenizer together (or `one_by_one`, as a stream does:
-        an abort then leaves out the same held-back text). The request's end lets out what the
-        detokenizer holds back."""
-        parts: list[str] = []
-        run: list[int] = []  # tokens to push together
+    def _delta_text(self, delta: _Delta) -> str:
+        """The text one delta adds, as a stream sends it: detokenized at `add_token`, or now;
+        the request's end lets out what the detokenizer holds back."""
+        text = delta.text
+        if text is None:
+            text = self._text_of([delta.token])[0] if delta.counted else ""
+            if delta.reason is not None:
+                text += self._flush()
+        return text
 
-        def push() -> None:
-            if run:
-                parts.append(self._text_of(run)[0])
-                run.clear()
+    def _stream_text(self, deltas: list[_Delta]) -> str:
+        return "".join(self._delta_text(delta) for delta in deltas)
 
-        for delta in deltas:
-            if delta.text is not None:
-                push()
-                parts.append(delta.text)
-            elif delta.counted:
-                run.append(delta.token)
-                if one_by_one:
-                    push()
-            if delta.text is None and delta.reason is not None:
-                push()
-                parts.append(self._flush())
-        push()
-        return "".join(parts)
+    def _whole_text(self, deltas: list[_Delta]) -> str:
+        """The text of consecutive deltas, their tokens pushed to the detokenizer together
+        (but where `add_token` detokenized them: stop strings). Only the request's last
+        delta may leave tokens out (an EOS, a stop token, an error)."""
+        if self._text_decides:
+            return self._stream_text(deltas)
+        tokens = [delta.token for delta in deltas if delta.counted]
+        text = self._text_of(tokens)[0] if tokens else ""
+        if deltas[-1].reason is not None:
+            text += self._flush()
+        return text
 
     def _text_of(self, tokens: list[int]) -> tuple[str, bool]:
         """The text `tokens` add (stop strings cut), and whether a stop string matched."""
