@@ -237,7 +237,7 @@ def test_overlapped_guided_steps_advance_grammars_before_the_rest_of_the_output(
     advanced = []
     original = OutputTracker.advance_guides
     monkeypatch.setattr(OutputTracker, "advance_guides", staticmethod(
-        lambda trackers, tokens: advanced.extend(tokens) or original(trackers, tokens)))
+        lambda pairs: advanced.extend(token for _, token in pairs) or original(pairs)))
     with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
              jump_forward=False) as engine:
         outputs = engine.generate(*_mix())

@@ -33,6 +33,7 @@ class Guide:
         self.compiled = compiled
         self.key = key
         self.stop_ids = sorted(stop_ids)
+        self._stops = frozenset(stop_ids)
         self.matcher = new_matcher(compiled, self.stop_ids)
         # Accepted tokens a mirror has not followed yet (all of them until one exists).
         self.unsynced: list[int] | None = [] if mirrored else None
@@ -41,7 +42,7 @@ class Guide:
         self.sent_ahead: int | None = None
         # `finished` as of the last token followed (None: not asked since): a step asks it of
         # every guided row twice (the request's end, the next mask), one FFI call each.
-        self._finished: bool | None = None
+        self._finished: bool | None = False if stop_ids else None
 
     def fill(self, masks: np.ndarray, index: int) -> None:
         """Row `index` of `masks` ([rows, words] int32): the tokens the grammar allows next."""
@@ -57,7 +58,10 @@ class Guide:
     def followed(self, token: int) -> None:
         """The matcher accepted `token` (the only way its state moves for good: drafts are
         rolled back): keep it for the mirror, unless it was sent to it ahead."""
-        self._finished = None
+        # A matcher with stop ids ends only by accepting one of them (xgrammar's
+        # terminate_without_stop_token is off then: `new_matcher`), so no FFI call is needed to
+        # know that any other token leaves it open.
+        self._finished = None if token in self._stops or not self._stops else False
         if self.unsynced is None:
             return
         ahead, self.sent_ahead = self.sent_ahead, None

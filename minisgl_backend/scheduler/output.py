@@ -125,18 +125,18 @@ class OutputTracker:
         self._first_token_ns = 0  # without `stream`: when the first token was taken
 
     @staticmethod
-    def advance_guides(trackers: list[OutputTracker], tokens: list[int]) -> None:
-        """Follow `tokens[i]` with the grammar of `trackers[i]`'s request now (all in one
-        xgrammar call), ahead of `add_token` (which then does not again): the next step's token
-        masks need the grammars' new states, and everything else `add_token` does can wait
-        until those masks are sent. Stop tokens, and requests without a grammar, are left to
-        `add_token`."""
-        pairs = [(tracker, token) for tracker, token in zip(trackers, tokens)
+    def advance_guides(pairs: list[tuple[OutputTracker, int]]) -> None:
+        """For each (tracker, token): follow `token` with the grammar of the tracker's request
+        now (all in one xgrammar call), ahead of `add_token` (which then does not again): the
+        next step's token masks need the grammars' new states, and everything else `add_token`
+        does can wait until those masks are sent. Stop tokens, and requests without a grammar,
+        are left to `add_token`."""
+        pairs = [(tracker, token) for tracker, token in pairs
                  if tracker.guide_follows_early(token)]
         accepted = accept_tokens([tracker.req.guide for tracker, _ in pairs],
                                  [token for _, token in pairs])
         for (tracker, token), ok in zip(pairs, accepted):
-            tracker._guide_took = (token, bool(ok))
+            tracker._guide_took = (token, ok)
 
     def guide_follows_early(self, token: int) -> bool:
         """Whether `advance_guides` has the request's grammar follow `token` (a stop token is

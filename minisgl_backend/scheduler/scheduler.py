@@ -94,6 +94,7 @@ class _SentStep:
     verifies: bool  # some row verifies drafts (or sends its start after rejected ones)
     mask_half: int  # the mask buffer's half of this step's guided rows
     mask_seq: int = 0  # with masks_follow: its `StepMessage.mask_seq`
+    guided: list[int] = field(default_factory=list)  # batch indices: `_guided_rows`
 
 
 @dataclass(frozen=True)
@@ -433,8 +434,7 @@ class Scheduler:
                 reply = self.engine.receive_step(self.config.step_timeout)
                 pairs = self._guided_tokens(self.in_flight, reply)
                 by_workers = self._fill_ahead(sent, pairs)
-                OutputTracker.advance_guides([tracker for tracker, _ in pairs],
-                                             [token for _, token in pairs])
+                OutputTracker.advance_guides(pairs)
                 self._read_tokens(self.in_flight, reply)
                 self._masks_due = (sent, by_workers)
             else:
@@ -516,14 +516,16 @@ class Scheduler:
         num_given = len(batch) - len(decode) + len(explicit)
         rows_in_use = self.rows.num_rows - self.rows.num_free
         self.peak_running = max(self.peak_running, rows_in_use)
-        message = self._step_message(batch, admitted, is_prefill, num_given)
+        guided = self._guided_rows(batch) if self.guided_uids else []
+        message = self._step_message(batch, admitted, is_prefill, num_given, guided)
         self.engine.send(message.to_bytes())
         mask_half = self._mask_half()
         self.num_steps += 1
         return _SentStep(batch, [complete_step(req, self.cache, self.decode) for req in batch],
-                         self._guided_rows(batch) if message.masks_follow else [],
+                         guided if message.masks_follow else [],
                          verifies=bool(explicit), mask_half=mask_half,
-                         mask_seq=int(message.mask_seq[0]) if message.masks_follow else 0)
+                         mask_seq=int(message.mask_seq[0]) if message.masks_follow else 0,
+                         guided=guided)
 
     def _read_tokens(self, sent: _SentStep | None, reply: StepReply | None = None) -> None:
         """Process the tokens of `sent` (`reply`, when already received)."""
@@ -555,9 +557,10 @@ class Scheduler:
         return running + list(self.prefill.restarting)
 
     def _step_message(self, batch: list[Req], admitted: list[Req], is_prefill: bool,
-                      num_given: int) -> StepMessage:
+                      num_given: int, guided: list[int]) -> StepMessage:
         """The step's message; the first `num_given` requests send the tokens they compute
-        (prompt chunks, or a last token and its drafts), the others decode one token."""
+        (prompt chunks, or a last token and its drafts), the others decode one token; `guided`:
+        the batch's `_guided_rows`."""
         msg = StepMessage(is_prefill=is_prefill, rows=[r.table_idx for r in batch])
         for i, req in enumerate(batch):
             self.cache.grow(req)
@@ -580,7 +583,6 @@ class Scheduler:
             msg.long_rope_lens.append(length)
         self._long_rope_rows.clear()
         if self.guided_uids:
-            guided = self._guided_rows(batch)
             msg.guide_rows = _slots_of(batch, guided)
             if guided:
                 msg.mask_half = [self._mask_half()]
@@ -678,9 +680,10 @@ class Scheduler:
         token a row) whose grammars follow the token, as `_process` would."""
         sampled = reply.tokens
         pairs = []
-        for i, (req, counts) in enumerate(zip(sent.batch, sent.counts)):
+        for i in sent.guided:
+            req = sent.batch[i]
             tracker = self.trackers.get(req.uid)
-            if req.guide is not None and counts and tracker is not None and req.table_idx >= 0:
+            if sent.counts[i] and tracker is not None and req.table_idx >= 0:
                 pairs.append((tracker, int(sampled[i])))
         return pairs
 
