@@ -16,6 +16,7 @@ from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from minisgl_backend.speculative import speculative_config
+from minisgl_backend.startup_heap import freeze_startup_heap, thaw_startup_heap
 from minisgl_backend.tokenizer import encode_prompt
 
 Prompt = str | Sequence[int]
@@ -147,6 +148,8 @@ class LLM:
                                  grammar_workers=grammar_workers)
         self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
                                    model_config.vocab_size)
+        freeze_startup_heap()  # the scheduler thread's collections skip what is alive now
+        self._frozen = True
 
     def generate(
         self,
@@ -188,6 +191,9 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the scheduler thread and the engine processes."""
         self.scheduler.shutdown()
+        if self._frozen:
+            self._frozen = False
+            thaw_startup_heap()
 
     def __enter__(self) -> LLM:
         return self

@@ -43,6 +43,7 @@ from minisgl_backend.benchmark.cli import (
     model_folder,
     print_header,
 )
+from minisgl_backend.benchmark.collector import CollectorPauses, collector_pauses
 from minisgl_backend.benchmark.shapes import shape_config
 from minisgl_backend.benchmark.tokenizer import tokenizer_name
 from minisgl_backend.benchmark.workloads import (
@@ -85,6 +86,7 @@ class Run:
     seconds: float
     outputs: list[GenerationOutput]
     tokenizer: Any
+    collector: CollectorPauses  # this process's garbage collections during the timed call
 
     @property
     def chars(self) -> int:
@@ -100,9 +102,11 @@ def timed_run(args: argparse.Namespace, workload: Workload, detokenize: bool) ->
             LLM(folder, **llm_kwargs(args)) as llm:
         warmup = fixed_workload(config["vocab_size"], 8, 32, 8, seed=args.seed + 1)
         llm.generate(warmup.prompts, warmup.params)
-        start = time.perf_counter()
-        outputs = llm.generate(workload.prompts, workload.params)
-        run = Run(time.perf_counter() - start, outputs, llm.tokenizer)
+        with collector_pauses() as pauses:
+            start = time.perf_counter()
+            outputs = llm.generate(workload.prompts, workload.params)
+            seconds = time.perf_counter() - start
+        run = Run(seconds, outputs, llm.tokenizer, pauses)
     generated = sum(len(o.token_ids) for o in outputs)
     if generated != workload.output_tokens:
         raise RuntimeError(f"generated {generated} tokens, requested {workload.output_tokens}")
@@ -156,6 +160,9 @@ def report(args: argparse.Namespace, config: dict[str, Any], workload: Workload,
         print(f"detokenizer cost: {on - off:+.3f} s, {(on - off) / off:+.1%} of the time without "
               f"it ({1e6 * (on - off) / tokens:+.2f} us per output token); the detokenizer "
               f"alone in this process: {alone:.3f} s ({1e6 * alone / tokens:.2f} us per token)")
+    for detok, run in runs.items():
+        print(f"garbage collector, detokenize {'on' if detok else 'off'} (this process, in the "
+              f"timed call): {run.collector.describe()}")
     print()
     rows = [[args.shape, "on" if detok else "off", str(len(workload)),
              str(workload.input_tokens), str(tokens), f"{run.seconds:.3f}",

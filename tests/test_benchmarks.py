@@ -118,6 +118,9 @@ def test_bench_offline(outputs: dict[str, subprocess.CompletedProcess]) -> None:
     assert all(int(r["output tokens"]) == expected.output_tokens for r in rows)
     assert "tokenizer 'word-level'" in outputs["bench_offline"].stdout
     assert "detokenizer cost: " in outputs["bench_offline"].stdout
+    for setting in ("off", "on"):  # the collector's pauses in each timed call
+        assert re.search(rf"garbage collector, detokenize {setting} .*: \d+ full collections",
+                         outputs["bench_offline"].stdout)
 
 
 def test_bench_offline_replays_the_detokenizer_alone() -> None:

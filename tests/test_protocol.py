@@ -197,7 +197,7 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     fake_scheduler._admission = lambda msg, req: Scheduler._admission(  # type: ignore[attr-defined]
         fake_scheduler, msg, req)  # type: ignore[arg-type]
     msg = Scheduler._step_message(fake_scheduler, batch, admitted, True,  # type: ignore[arg-type]
-                                  len(batch))
+                                  len(batch), [])
     arrays = _roundtrip(msg)
 
     assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
@@ -218,7 +218,7 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     for req in batch:
         req.cached_len = req.device_len
         req.device_len += 1
-    msg = Scheduler._step_message(fake_scheduler, batch, [], False, 0)  # type: ignore[arg-type]
+    msg = Scheduler._step_message(fake_scheduler, batch, [], False, 0, [])  # type: ignore[arg-type]
     arrays = _roundtrip(msg)
     assert set(arrays) == BASE_FIELDS
     grew = [r for r in reqs if r.device_len % page_size == 1]  # crossed into a new page
@@ -237,7 +237,7 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     step, admitted = prefill.schedule(batch)
     assert step == admitted == [new]
     msg = Scheduler._step_message(fake_scheduler, [new, *batch], [new],  # type: ignore[arg-type]
-                                  True, 1)
+                                  True, 1, [])
     arrays = _roundtrip(msg)
     assert arrays["rows"].tolist() == [new.table_idx, *(r.table_idx for r in batch)]
     assert arrays["starts"].tolist() == [0] and arrays["extend_lens"].tolist() == [5]

@@ -3,6 +3,7 @@ requests): one output per sample at its end, equal to its streamed deltas joined
 
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 
@@ -127,3 +128,20 @@ def test_a_whole_output_waits_for_the_end_and_an_abort_sends_the_tokens_before_i
     assert len(joined) == 2
     for a, b in zip(whole, joined):
         _same(a, b)
+
+
+def test_the_tokens_a_whole_output_holds_stay_out_of_the_garbage_collectors_way(
+        llm: LLM) -> None:
+    """A request without streaming keeps every token's delta until its end (tens of thousands
+    in an offline batch): once collections have seen them (one a level of nested tuples),
+    later ones do not walk them again, log-probabilities and logits included."""
+    outputs: list[RequestOutput] = []
+    tracker = _tracker(llm, outputs, stream=False)
+    logits = np.zeros((3, 8), np.float32)
+    for i, token in enumerate([11, 12, 13]):
+        tracker.add_token(token, (-0.5, (token, 7), (-0.5, -1.0)), logits[i])
+        tracker.flush()
+    assert not outputs
+    for _ in range(3):
+        gc.collect()
+    assert tracker.has_pending and not any(gc.is_tracked(delta) for delta in tracker._pending)

@@ -27,6 +27,10 @@ READY, TOKENS, ERROR = 11, 12, 13
 _DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "uint8")]
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _FIELD_HEADER = struct.Struct("<BBI")  # name length, dtype code, element count
+# A sampled token's log-probability, and its step's most likely ids and theirs (tuples: kept
+# per token until a request's end, they stay out of the garbage collector's way; see
+# `scheduler.output._Delta`).
+Logprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
 
 
 def encode(kind: int, arrays: dict[str, np.ndarray]) -> bytes:
@@ -268,11 +272,11 @@ class StepReply:
         bounds = np.concatenate([[0], np.cumsum(counts)])
         return {int(r): table[bounds[i]:bounds[i + 1]] for i, r in enumerate(self.context_rows)}
 
-    def logprobs_of(self) -> dict[int, tuple[float, list[int], list[float]]]:
+    def logprobs_of(self) -> dict[int, Logprobs]:
         """batch index -> (token log-probability, top ids, top log-probabilities)."""
         table = np.asarray(self.logprobs, dtype=np.float32).reshape(len(self.lp_rows), -1)
         cols = LogprobColumns.of_width(table.shape[1])
         ids = table[:, cols.top_ids].view(np.int32).tolist()
         vals = table[:, cols.top_logprobs].tolist()
-        return {int(r): (float(t), i, v)
+        return {int(r): (float(t), tuple(i), tuple(v))
                 for r, t, i, v in zip(self.lp_rows, table[:, cols.token], ids, vals)}

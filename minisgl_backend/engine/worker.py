@@ -36,6 +36,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     from minisgl_backend.distributed import destroy_process_group
     from minisgl_backend.engine.engine import Engine
     from minisgl_backend.engine.mask_buffer import MaskBuffer
+    from minisgl_backend.startup_heap import freeze_startup_heap
 
     try:
         engine = Engine(config, rank, init_file)
@@ -47,6 +48,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
         }))
         # Before any step: the scheduler's guide mask buffer (its descriptor, then nothing else).
         engine.attach_masks(MaskBuffer.receive(conn, config, engine.model_config.vocab_size))
+        freeze_startup_heap()  # collections between steps skip the model and the imports
         trace = StepTrace.from_env(f"engine-rank{rank}")  # MINISGL_TRACE_DIR
         try:
             with profiled(f"engine-rank{rank}"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from minisgl_backend.core import Req
+from minisgl_backend.engine.protocol import Logprobs
 from minisgl_backend.grammar.guide import accept_tokens
 from minisgl_backend.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -74,16 +75,21 @@ def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
     return [merged]
 
 
-@dataclass
-class _Delta:
+class _Delta(NamedTuple):
     """A sampled token whose output is decided (kept, and whether it ends the request) but not
-    yet emitted: its text and its RequestOutput wait for `OutputTracker.flush`."""
+    yet emitted: its text and its RequestOutput wait for `OutputTracker.flush`.
+
+    A tracker holds its deltas as plain tuples (`_deltas` names them): the garbage collector
+    stops tracking a plain tuple of untracked values (numbers, strings, None, numpy arrays,
+    such tuples), not a NamedTuple or a class instance. A request without streaming holds every
+    token's delta until its end, tens of thousands in an offline batch, which every collection
+    would otherwise walk, with the GIL held."""
 
     token: int
     reason: str | None  # the request's end, if this token ends it
     error: str | None
     counted: bool  # its text is part of the output (not an EOS or stop token, not an error)
-    logprobs: tuple[float, list[int], list[float]] | None
+    logprobs: Logprobs | None
     logits: np.ndarray | None
     text: str | None  # None: to be detokenized at flush
     # The request's state when the token was taken (the flush may come after a later step's
@@ -92,6 +98,10 @@ class _Delta:
     reused_pages: int
     drafted: int
     accepted: int
+
+
+def _deltas(held: list[tuple[Any, ...]]) -> list[_Delta]:
+    return [_Delta._make(delta) for delta in held]
 
 
 class OutputTracker:
@@ -118,7 +128,7 @@ class OutputTracker:
                             if tokenizer is not None else None)
         self.matcher = StopStringMatcher(params.stop or ())
         self._text_decides = bool(params.stop) and self.detokenizer is not None
-        self._pending: list[_Delta] = []
+        self._pending: list[tuple[Any, ...]] = []  # `_Delta`s as plain tuples
         self._context: list[np.ndarray] = []  # prompt logits, chunk by chunk
         self._context_sent = False
         self._guide_took: tuple[int, bool] | None = None  # (token, accepted) ahead of add_token
@@ -159,7 +169,7 @@ class OutputTracker:
         return bool(self._pending)
 
     def add_token(self, token: int,
-                  logprobs: tuple[float, list[int], list[float]] | None = None,
+                  logprobs: Logprobs | None = None,
                   logits: np.ndarray | None = None) -> bool:
         """Record a sampled token (with its log-probability, top ids and theirs, and its raw
         logits, when the request asked); return True if the request is finished. Its delta is
@@ -185,9 +195,9 @@ class OutputTracker:
                 reason = "length"
                 if text is not None:
                     text += self._flush()
-        self._pending.append(_Delta(token, reason, error, counted, logprobs, logits, text,
-                                    len(req.pages), req.reused_pages, req.drafted,
-                                    req.accepted))
+        # A `_Delta`, held as a plain tuple (in its fields' order).
+        self._pending.append((token, reason, error, counted, logprobs, logits, text,
+                              len(req.pages), req.reused_pages, req.drafted, req.accepted))
         return reason is not None
 
     def flush(self, ending: bool = False) -> None:
@@ -195,8 +205,8 @@ class OutputTracker:
         of its own, or without `stream` all as one output once the request has ended (or is
         `ending`: aborted, failed)."""
         if not self.stream:
-            if self._pending and (ending or self._pending[-1].reason is not None):
-                pending, self._pending = self._pending, []
+            if self._pending and (ending or _Delta._make(self._pending[-1]).reason is not None):
+                pending, self._pending = _deltas(self._pending), []
                 # An abort's text is a stream's: the same held-back text is left out.
                 text_of = self._stream_text if ending else self._whole_text
                 if pending[-1].error is not None and len(pending) > 1:
@@ -205,7 +215,7 @@ class OutputTracker:
                     pending = pending[-1:]
                 self._emit(pending, text_of(pending))
             return
-        pending, self._pending = self._pending, []
+        pending, self._pending = _deltas(self._pending), []
         for delta in pending:
             self._emit([delta], self._delta_text(delta))
 

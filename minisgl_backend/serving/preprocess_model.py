@@ -16,6 +16,7 @@ from minisgl_backend.serving.settings import (
     resolve_model_dir,
 )
 from minisgl_backend.serving.tensors import input_getter
+from minisgl_backend.startup_heap import freeze_startup_heap
 
 
 class TritonPythonModel:
@@ -28,6 +29,7 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(parameters, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         exit_with_server(config["name"])
+        freeze_startup_heap()  # a collection would hold up every request being tokenized
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._tokenize(request) for request in requests]
