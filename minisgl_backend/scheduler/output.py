@@ -101,6 +101,7 @@ class _Delta(NamedTuple):
 
 
 def _deltas(held: list[tuple[Any, ...]]) -> list[_Delta]:
+    """A tracker's held tuples as `_Delta`s, at the flush that emits them."""
     return [_Delta._make(delta) for delta in held]
 
 
