@@ -15,9 +15,10 @@ generated token is detokenized inside the timed call, as upstream and serving do
 takes whole outputs: each request's text is decoded at its end, in one go).
 `--detokenize off` leaves the tokenizer out; `--detokenize both` runs off, then on (a fresh
 engine each) and prints what the detokenizer costs, end to end and alone (this process
-detokenizing the same outputs again token by token, as for a stream);
-`--detokenize replay` runs no engine, only the
-detokenizer on random outputs of the workload's lengths (its CPU time, on any machine).
+detokenizing the same outputs again token by token, as for a stream); `--detokenize replay`
+runs no engine, only the detokenizer on random outputs of the workload's lengths (its CPU
+time, on any machine). Each run also prints this process's garbage collections inside its
+timed call.
 
     python scripts/bench_offline.py                            # Llama-3.1-8B shape on the GPU
     python scripts/bench_offline.py --shape qwen3-30b-a3b --tp-size 2
