@@ -8,14 +8,15 @@
 #
 # Environment: BUDGET_S (seconds for the whole run, default 3000: steps that would not fit are
 # skipped and say so), STEPS (which steps, default all: tests offline decode decode1 controls new
-# overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile tp),
-# WARM_KERNELS=0 to skip compiling FlashInfer, FI_TESTS the `fi` step's pytest -k (default
-# flashinfer), SAVE_KERNELS=1 to write the compiled kernels to OUT_DIR/kernel-cache.tar.xz,
-# SHAPES the `overheads` step's model shapes (default qwen3-0.6b llama-3.1-8b), CONCURRENCY the
-# `triton` step's (default 64 256), HP_CONFIGS, HP_MODE and HP_BACKEND the `hostprofile`
-# step's configurations (default unguided json_schema none logprobs all), what it records
-# besides the timeline (profile, trace or timeline) and attention backend (default triton), CMD
-# the `cmd` step's command line (any script, with this setup; CMD_LIMIT_S, default 300).
+# overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile ab tp),
+# WARM_KERNELS=0 to skip compiling FlashInfer, AB_ROUNDS the `ab` step's rounds (default 1),
+# FI_TESTS the `fi` step's pytest -k (default flashinfer), SAVE_KERNELS=1 to write the compiled
+# kernels to OUT_DIR/kernel-cache.tar.xz, SHAPES the `overheads` step's model shapes (default
+# qwen3-0.6b llama-3.1-8b), CONCURRENCY the `triton` step's (default 64 256), HP_CONFIGS,
+# HP_MODE and HP_BACKEND the `hostprofile` step's configurations (default unguided json_schema
+# none logprobs all), what it records besides the timeline (profile, trace or timeline) and
+# attention backend (default triton), CMD the `cmd` step's command line (any script, with this
+# setup; CMD_LIMIT_S, default 300).
 # flashinfer must be importable; the `triton` step (and `mixed`'s server run) needs tritonserver
 # and perf_analyzer on PATH (TRITON_BACKEND_DIR for a wheel install); `tp` needs two GPUs.
 #
@@ -27,7 +28,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-h200-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET_S=${BUDGET_S:-3000}
-STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile tp}
+STEPS=${STEPS:-tests offline decode decode1 controls new overheads fi spec kernels mechanisms profile triton mixed timelines hostprofile ab tp}
 if [ -f .carry/site.tar.xz ]; then  # unpacked once per machine (a warm one keeps /tmp)
   [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site \
     && tar -I "xz -T0" -xf .carry/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
@@ -209,6 +210,40 @@ if wants hostprofile; then
       --min-calls 200 "$hp/$config"/engine-rank0-*.prof "$hp/$config"/scheduler-*.prof \
       > "$OUT/hostprofile-$config.txt" 2>&1
   done
+fi
+# This tree against another commit's engine in .carry/base (benchmark/pack_base.sh COMMIT), in
+# the order base, new, new, base (AB_ROUNDS such rounds, default 1) so that drift in the host's
+# speed falls on both: issue 4's offline targets, the JSON mix and every control at batch 64
+# (AB_BENCHES picks some, for a device call's limit: an 8B round takes about 6 minutes).
+if wants ab && [ -d .carry/base/minisgl_backend ]; then
+  json=(scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer llama-3
+        --vocab-size 128256 --max-total-tokens 65536 --attention-backend triton --batch-sizes 64
+        --max-tokens 256 --repeats 2 --configs unguided json_schema)
+  controls=(scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b --load-format
+            dummy --batch-sizes 64 --repeats 2 --configs none all --attention-backend triton)
+  for bench in ${AB_BENCHES:-offline-qwen3-0.6b offline-llama-3.1-8b json controls}; do
+    case $bench in
+      offline-*) args=(scripts/bench_offline.py --shape "${bench#offline-}" --page-size 64
+                       --detokenize on --attention-backend triton); limit=150 ;;
+      json) args=("${json[@]}"); limit=120 ;;
+      controls) args=("${controls[@]}"); limit=120 ;;
+      *) echo "== ab: no bench $bench"; continue ;;
+    esac
+    for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
+      i=0
+      for who in base new new base; do
+        pp=$PYTHONPATH; [ $who = base ] && pp=$PWD/.carry/base:$PYTHONPATH
+        TAIL=0 step $limit "ab-$bench-$round$((++i))-$who" env PYTHONPATH="$pp" \
+          python3 "${args[@]}"
+      done
+    done
+  done
+  echo "== ab: the table rows of each run (base = .carry/base, new = this tree)"
+  for f in "$OUT"/ab-*.log; do
+    printf '%s\n' "-- $(basename "$f" .log)"; grep -E "^(\| [0-9a-z]|garbage|detokenizer cost)" "$f"
+  done
+elif wants ab; then
+  echo "== ab: skipped (no .carry/base: benchmark/pack_base.sh COMMIT makes it)"
 fi
 wants cmd && step "${CMD_LIMIT_S:-300}" cmd bash -c "$CMD"  # an ad-hoc command, same setup
 unset CUDA_VISIBLE_DEVICES
