@@ -165,22 +165,25 @@ if wants triton && command -v tritonserver > /dev/null && command -v perf_analyz
   TAIL=8 step 600 triton-qwen3-0.6b python3 scripts/bench_triton_offline.py --shape qwen3-0.6b \
     --page-size 64 --concurrency ${CONCURRENCY:-64 256}
 fi
+# The batch-64 host-work benchmarks on the Qwen3-0.6B shape (the steps below add their batch
+# sizes, repeats and configurations): the JSON-schema mix, with Llama 3's tokens and vocabulary
+# as in `overheads`, and the sampling controls, on random weights.
+JSON_MIX=(scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer
+          llama-3 --vocab-size 128256 --max-total-tokens 65536)
+CONTROLS_MIX=(scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b --load-format
+              dummy)
 # One configuration per run at batch 64, each with its own step timeline (and the JSON run once
 # more with the scheduler's cProfile): where a guided step and the controls' steps spend time.
 if wants timelines; then
   for config in unguided json_schema; do
     MINISGL_STEP_TIMES_DIR=$OUT/timelines/$config TAIL=4 step 120 "timeline-$config" python3 \
-      scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer llama-3 \
-      --vocab-size 128256 --batch-sizes 64 --max-total-tokens 65536 --repeats 2 --configs $config
+      "${JSON_MIX[@]}" --batch-sizes 64 --repeats 2 --configs $config
   done
   MINISGL_PROFILE_DIR=$OUT/timelines/json_schema-profile TAIL=4 step 120 timeline-json-profile \
-    python3 scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer \
-    llama-3 --vocab-size 128256 --batch-sizes 64 --max-total-tokens 65536 --repeats 1 \
-    --configs json_schema
+    python3 "${JSON_MIX[@]}" --batch-sizes 64 --repeats 1 --configs json_schema
   for config in none logprobs all; do
     MINISGL_STEP_TIMES_DIR=$OUT/timelines/controls-$config TAIL=4 step 120 "timeline-$config" \
-      python3 scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b \
-      --load-format dummy --batch-sizes 64 --repeats 2 --configs $config
+      python3 "${CONTROLS_MIX[@]}" --batch-sizes 64 --repeats 2 --configs $config
   done
   for f in "$OUT"/timelines/*/engine-rank0-*-steps.txt; do
     echo "-- $f"; grep -E "^\| (decode|64) \|" "$f"
@@ -195,16 +198,15 @@ if wants hostprofile; then
   mode=${HP_MODE:-profile}; hp=$OUT/hostprofile-$mode
   for config in ${HP_CONFIGS:-unguided json_schema none logprobs all}; do
     if [[ $config == unguided || $config == json_schema ]]; then
-      bench=(scripts/bench_structured_output.py --tokenizer llama-3 --vocab-size 128256
-             --max-total-tokens 65536)
+      bench=("${JSON_MIX[@]}")
     else
-      bench=(scripts/bench_sampling_controls.py --load-format dummy)
+      bench=("${CONTROLS_MIX[@]}")
     fi
     extra=(); [ "$mode" = profile ] && extra=(MINISGL_PROFILE_DIR=$hp/$config)
     [ "$mode" = trace ] && extra=(MINISGL_TRACE_DIR=$hp/$config MINISGL_TRACE_STEPS=60:20)
     TAIL=3 step 120 "hostprofile-$mode-$config" env MINISGL_STEP_TIMES_DIR=$hp/$config \
-      "${extra[@]}" python3 "${bench[@]}" --device cuda --shape qwen3-0.6b --batch-sizes 64 \
-      --repeats 2 --configs "$config" --attention-backend "${HP_BACKEND:-triton}"
+      "${extra[@]}" python3 "${bench[@]}" --batch-sizes 64 --repeats 2 --configs "$config" \
+      --attention-backend "${HP_BACKEND:-triton}"
     for f in "$hp/$config"/engine-rank0-*-steps.txt; do grep -E "^\| (decode|64) \|" "$f"; done
     [ "$mode" = profile ] && python3 scripts/profile_summary.py --all --top "${HP_TOP:-25}" \
       --min-calls 200 "$hp/$config"/engine-rank0-*.prof "$hp/$config"/scheduler-*.prof \
@@ -216,17 +218,14 @@ fi
 # speed falls on both: issue 4's offline targets, the JSON mix and every control at batch 64
 # (AB_BENCHES picks some, for a device call's limit: an 8B round takes about 6 minutes).
 if wants ab && [ -d .carry/base/minisgl_backend ]; then
-  json=(scripts/bench_structured_output.py --device cuda --shape qwen3-0.6b --tokenizer llama-3
-        --vocab-size 128256 --max-total-tokens 65536 --attention-backend triton --batch-sizes 64
-        --max-tokens 256 --repeats 2 --configs unguided json_schema)
-  controls=(scripts/bench_sampling_controls.py --device cuda --shape qwen3-0.6b --load-format
-            dummy --batch-sizes 64 --repeats 2 --configs none all --attention-backend triton)
   for bench in ${AB_BENCHES:-offline-qwen3-0.6b offline-llama-3.1-8b json controls}; do
     case $bench in
       offline-*) args=(scripts/bench_offline.py --shape "${bench#offline-}" --page-size 64
                        --detokenize on --attention-backend triton); limit=150 ;;
-      json) args=("${json[@]}"); limit=120 ;;
-      controls) args=("${controls[@]}"); limit=120 ;;
+      json) args=("${JSON_MIX[@]}" --attention-backend triton --batch-sizes 64 --max-tokens 256
+                  --repeats 2 --configs unguided json_schema); limit=120 ;;
+      controls) args=("${CONTROLS_MIX[@]}" --attention-backend triton --batch-sizes 64
+                      --repeats 2 --configs none all); limit=120 ;;
       *) echo "== ab: no bench $bench"; continue ;;
     esac
     for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
