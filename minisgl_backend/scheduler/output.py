@@ -100,6 +100,11 @@ class _Delta(NamedTuple):
     accepted: int
 
 
+# Where a held tuple keeps `_Delta.reason`: a whole output's flush, once a token, asks only
+# whether the last one ended the request, without naming it.
+_REASON = _Delta._fields.index("reason")
+
+
 def _deltas(held: list[tuple[Any, ...]]) -> list[_Delta]:
     """A tracker's held tuples as `_Delta`s, at the flush that emits them."""
     return [_Delta._make(delta) for delta in held]
@@ -206,7 +211,7 @@ class OutputTracker:
         of its own, or without `stream` all as one output once the request has ended (or is
         `ending`: aborted, failed)."""
         if not self.stream:
-            if self._pending and (ending or _Delta._make(self._pending[-1]).reason is not None):
+            if self._pending and (ending or self._pending[-1][_REASON] is not None):
                 pending, self._pending = _deltas(self._pending), []
                 # An abort's text is a stream's: the same held-back text is left out.
                 text_of = self._stream_text if ending else self._whole_text
