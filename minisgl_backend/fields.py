@@ -1,9 +1,10 @@
-"""One definition per request field: name, kind, default, range and meaning.
+"""One definition per request field and engine setting: name, kind, default, range, meaning.
 
 A dataclass field made with `spec_field(...)` carries a `Spec` in its metadata. `validate`
 checks (and normalizes) every such field of an instance with one error style that names the
-field; the engine's per-row step message, the Triton inputs and the README tables are derived
-from the same specs (`specs_of`), so a new control is declared in one place.
+field; the engine's per-row step message, the Triton inputs and parameters and the README
+tables are derived from the same specs (`specs_of`), so a new control or setting is declared
+in one place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-Kind = Literal["int", "float", "bool", "custom"]
+Kind = Literal["int", "float", "bool", "str", "custom"]
+# Which front door a setting applies to: the offline `LLM`, the Triton model, or both.
+Where = Literal["both", "offline", "triton"]
 # How a per-row control travels to the engine (a numpy dtype name), if it does.
 RowDtype = Literal["int32", "int64", "float32"]
 
@@ -26,7 +29,10 @@ class Spec:
     names another field whose value is the bound. `also` lists values accepted outside the
     range (top_k's -1). `normalize` replaces the checks for structured ("custom") fields: it
     returns the normalized value or raises ValueError; `accepts` says in words what it takes.
-    `row_dtype` marks a scalar the engine keeps per table row, sent on admission.
+    `row_dtype` marks a scalar the engine keeps per table row, sent on admission. `choices`
+    lists the values a "str" field takes. For settings: `where` says which front door reads
+    it, and `shipped` is the value the repository's `config.pbtxt` sets when it differs from
+    the default (None: the default).
     """
 
     kind: Kind
@@ -40,6 +46,9 @@ class Spec:
     normalize: Callable[[Any], Any] | None = None
     accepts: str = ""
     row_dtype: RowDtype | None = None
+    choices: tuple[str, ...] = ()
+    where: Where = "both"
+    shipped: Any = None
 
     def describe(self, bound: float | None = None) -> str:
         """The accepted values in words ("an integer in [0, 20]", "a number > 0")."""
@@ -47,6 +56,9 @@ class Spec:
             return self.accepts
         if self.kind == "bool":
             return "a bool"
+        if self.kind == "str":
+            names = [repr(c) for c in self.choices]
+            return ", ".join(names[:-1]) + " or " + names[-1]
         noun = "an integer" if self.kind == "int" else "a number"
         high = bound if bound is not None else self.high
         if self.low is not None and high is not None:
@@ -109,6 +121,8 @@ def check_value(name: str, spec: Spec, value: Any, bound: float | None = None) -
 def _in_range(spec: Spec, value: Any, bound: float | None) -> bool:
     if spec.kind == "bool":
         return isinstance(value, bool)
+    if spec.kind == "str":
+        return value in spec.choices and isinstance(value, str)
     if not (is_int(value) if spec.kind == "int" else is_number(value)):
         return False
     if not math.isfinite(value):

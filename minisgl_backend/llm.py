@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
-from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS, EngineConfig
+from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
-from minisgl_backend.speculative import speculative_config
+from minisgl_backend.settings import EngineHooks, split_settings
 from minisgl_backend.startup_heap import freeze_startup_heap, thaw_startup_heap
 from minisgl_backend.tokenizer import encode_prompt
 
@@ -55,72 +55,16 @@ class LLM:
 
     Args:
         model: a HF model folder (config.json, *.safetensors, tokenizer files).
-        tp_size: tensor-parallel ranks, one engine process each.
-        page_size: tokens per KV page.
-        max_running_requests: requests decoded together at most.
-        chunked_prefill_size: prompt tokens computed per step at most.
-        max_total_tokens: KV pool size in tokens (default: what fits the device).
-        cache: "radix" (prefix sharing) or "naive".
-        device: "auto", "cpu" or "cuda".
-        dtype: "auto", "float32", "bfloat16" or "float16".
-        attention_backend: "auto" or a backend name.
-        kv_memory_fraction: GPU: share of free memory the weights and KV pool may take.
-        load_format: "auto" (the checkpoint) or "dummy" (random weights from config.json alone,
-            for benchmarks of real shapes without weights on disk).
-        cuda_graph_max_bs: GPU: decode batches up to this size replay CUDA graphs; 0: off.
-        overlap: GPU: the engine prepares and launches step N+1 while step N runs.
-        fused_gemv_max_bs: GPU, tp_size 1: decode batches up to this size (at most 16) run each
-            small dense layer's projections as few-rows GEMV kernels with the norms,
-            SiLU-and-mul and residual adds folded in; 0: off.
-        mixed_prefill: a prefill step also decodes one token of every running request, so
-            that arriving requests do not pause the running ones for a step.
-        jump_forward: structured output: the tokens a request's grammar forces are verified
-            as drafts in one step instead of being sampled one per step (same output).
-        grammar_workers: structured output: processes filling the guided rows' token masks
-            beside the scheduler's thread (from 16 guided rows a step); 0: the scheduler's
-            thread fills them.
-        debug_checks: verify page accounting after every step (slow; for tests).
-        **speculative: speculative decoding, the fields of
-            `minisgl_backend.speculative.SpeculativeConfig` (`speculative="ngram"` or
-            `"suffix"`, `num_speculative_tokens`, ...; the README lists them).
+        hooks: test and benchmark knobs (`EngineHooks`), not settings.
+        **settings: the engine settings, each declared once in `minisgl_backend.settings`
+            (`EngineSettings`) and `minisgl_backend.speculative.SpeculativeConfig`, with its
+            default and range; the README's settings table lists them. An unknown or invalid
+            setting raises ValueError naming it.
     """
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        tp_size: int = 1,
-        page_size: int = 1,
-        max_running_requests: int = 256,
-        chunked_prefill_size: int = 8192,
-        max_total_tokens: int | None = None,
-        cache: str = "radix",
-        device: str = "auto",
-        dtype: str = "auto",
-        attention_backend: str = "auto",
-        kv_memory_fraction: float = 0.85,
-        load_format: str = "auto",
-        cuda_graph_max_bs: int = 256,
-        overlap: bool = True,
-        fused_gemv_max_bs: int = 2,
-        mixed_prefill: bool = False,
-        jump_forward: bool = True,
-        grammar_workers: int = 0,
-        debug_checks: bool = False,
-        **speculative: Any,
-    ) -> None:
-        _check_settings(tp_size, page_size, max_running_requests, max_total_tokens, cache, device)
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
-            raise ValueError(
-                f"cuda_graph_max_bs must be an integer >= 0, got {cuda_graph_max_bs!r}")
-        if not isinstance(grammar_workers, int) or grammar_workers < 0:
-            raise ValueError(f"grammar_workers must be an integer >= 0, got {grammar_workers!r}")
-        if not isinstance(fused_gemv_max_bs, int) \
-                or not 0 <= fused_gemv_max_bs <= FUSED_GEMV_MAX_BS:
-            raise ValueError(f"fused_gemv_max_bs must be an integer in [0, {FUSED_GEMV_MAX_BS}], "
-                             f"got {fused_gemv_max_bs!r}")
+    def __init__(self, model: str | Path, *, hooks: EngineHooks | None = None,
+                 **settings: Any) -> None:
+        general, spec = split_settings(settings)
         model_dir = Path(model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model: {str(model)!r} is not a HF model folder (no config.json)")
@@ -129,23 +73,10 @@ class LLM:
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
-        spec = speculative_config(speculative)
-        engine = EngineConfig(
-            model_dir=str(model_dir), tp_size=tp_size, page_size=page_size,
-            max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
-            device=device, dtype=dtype, attention_backend=attention_backend,
-            kv_memory_fraction=kv_memory_fraction, load_format=load_format,
-            cuda_graph_max_bs=cuda_graph_max_bs, overlap=bool(overlap),
-            fused_gemv_max_bs=fused_gemv_max_bs,
-            samples_per_row=(1 + spec.num_speculative_tokens
-                             if spec.enabled or jump_forward else 1),
-        )
-        config = SchedulerConfig(engine=engine, chunked_prefill_size=chunked_prefill_size,
-                                 cache=cache, debug_checks=debug_checks,
-                                 mixed_prefill=bool(mixed_prefill),
-                                 speculative=spec,
-                                 jump_forward=bool(jump_forward),
-                                 grammar_workers=grammar_workers)
+        drafts = spec.num_speculative_tokens if spec.enabled or general.jump_forward else 0
+        engine = EngineConfig(**vars(general), model_dir=str(model_dir),
+                              samples_per_row=1 + drafts)
+        config = SchedulerConfig(engine=engine, speculative=spec, hooks=hooks or EngineHooks())
         self.scheduler = Scheduler(config, self.tokenizer, _eos_ids(model_config, self.tokenizer),
                                    model_config.vocab_size)
         freeze_startup_heap()  # the scheduler thread's collections skip what is alive now
@@ -258,24 +189,6 @@ class _Collector:
             if result is not None and parts:
                 result.generation_logits = np.concatenate(parts)
         return [r for r in self.results if r is not None]
-
-
-def _check_settings(tp_size: int, page_size: int, max_running: int, max_total_tokens: int | None,
-                    cache: str, device: str) -> None:
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
-    if not isinstance(max_running, int) or max_running < 1:
-        raise ValueError(f"max_running_requests must be an integer >= 1, got {max_running!r}")
-    if max_total_tokens is not None and (not isinstance(max_total_tokens, int)
-                                         or max_total_tokens < page_size):
-        raise ValueError(f"max_total_tokens must be an integer >= page_size, "
-                         f"got {max_total_tokens!r}")
-    if cache not in ("radix", "naive"):
-        raise ValueError(f"cache must be 'radix' or 'naive', got {cache!r}")
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
 
 
 def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer or None

@@ -16,7 +16,8 @@ from pathlib import Path
 from minisgl_backend.core import SamplingParams
 from minisgl_backend.fields import markdown_table
 from minisgl_backend.serving.interface import OUTPUTS, inputs_of
-from minisgl_backend.speculative import SpeculativeConfig
+from minisgl_backend.serving.settings import triton_parameters
+from minisgl_backend.settings import settings_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -37,7 +38,7 @@ def triton_outputs() -> str:
 
 
 TABLES = {"sampling-params": lambda: markdown_table(SamplingParams),
-          "speculative": lambda: markdown_table(SpeculativeConfig),
+          "settings": lambda: settings_table(triton_parameters()),
           "triton-inputs": triton_inputs, "triton-outputs": triton_outputs}
 
 

@@ -12,9 +12,11 @@ import torch
 # Before any test module imports triton: without CUDA, importing `kernels` selects Triton's
 # interpreter, which Triton must know before `triton.language` is first imported.
 import kernels  # noqa: F401
+from minisgl_backend.settings import EngineHooks
 from minisgl_backend.testing.tiny_models import TINY_ARCHITECTURES, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CHECKED = EngineHooks(debug_checks=True)  # engines in tests verify page accounting every step
 
 
 @pytest.fixture(scope="session")

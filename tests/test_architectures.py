@@ -17,7 +17,7 @@ import torch
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.models import ModelConfig, create_model
 from minisgl_backend.testing.tiny_models import TINY_SLIDING_WINDOW, build_tiny_model
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import CHECKED, hf_greedy, mixed_prompts
 from tests.test_engine_equivalence import GREEDY, MAX_TOKENS
 
 ARCHS = ("llama_bias", "mixtral", "phi3", "phi3_longrope", "mistral", "gemma3")
@@ -36,7 +36,7 @@ def check_cold_and_warm(model: Path, **settings) -> None:  # noqa: ANN003
     """8 mixed prompts in one call equal HF; the same call again hits the prefix cache and
     gives the same tokens."""
     prompts = mixed_prompts(8)
-    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as llm:
         cold = llm.generate(prompts, GREEDY)
         warm = llm.generate(prompts, GREEDY)
     if str(model) not in _EXPECTED:  # HF's generate is the slow part: once per model
@@ -97,6 +97,6 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(
         create_model(folder, config, torch.device("cpu"), torch.float32)
     assert "vision tensors" in caplog.text
     prompts = mixed_prompts(8)
-    with LLM(folder, device="cpu", debug_checks=True, page_size=16) as llm:
+    with LLM(folder, device="cpu", hooks=CHECKED, page_size=16) as llm:
         outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_greedy(folder, prompts, MAX_TOKENS)

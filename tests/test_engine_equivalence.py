@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import CHECKED, hf_greedy, mixed_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def run_engine(model_dir: Path, prompts: list[list[int]], **settings) -> list:  # noqa: ANN003
-    with LLM(model_dir, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model_dir, device="cpu", hooks=CHECKED, **settings) as llm:
         return llm.generate(prompts, GREEDY)
 
 
@@ -71,7 +71,7 @@ def test_prefix_cache_hits_equal_cold_run(tiny_models: dict[str, Path], page_siz
     prompts = mixed_prompts(8)
     shared = mixed_prompts(1, seed=7)[0] * 2  # a long shared prefix, then distinct tails
     branched = [shared + p[:6] for p in prompts]
-    with LLM(model, device="cpu", debug_checks=True, page_size=page_size) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, page_size=page_size) as llm:
         cold = llm.generate(prompts, GREEDY)
         warm = llm.generate(prompts, GREEDY)  # the same prompts again
         first_branch = llm.generate(branched[:1], GREEDY)
@@ -89,7 +89,7 @@ def test_prefix_cache_hits_equal_cold_run(tiny_models: dict[str, Path], page_siz
 def test_naive_cache_equals_hf_without_hits(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["qwen2"]
     prompts = mixed_prompts(8)
-    with LLM(model, device="cpu", debug_checks=True, cache="naive") as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, cache="naive") as llm:
         first = llm.generate(prompts, GREEDY)
         again = llm.generate(prompts, GREEDY)
     assert all(o.cached_tokens == 0 for o in first + again)
@@ -102,7 +102,7 @@ def test_scarce_kv_makes_requests_wait_and_evicts(tiny_models: dict[str, Path]) 
     evicted to make room, and every output is still right."""
     model = tiny_models["llama"]
     prompts = mixed_prompts(8)
-    with LLM(model, device="cpu", debug_checks=True, max_total_tokens=160) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, max_total_tokens=160) as llm:
         outputs = llm.generate(prompts, GREEDY)
         stats = (llm.scheduler.peak_running, llm.scheduler.cache.evicted_pages)
     assert_matches_hf(model, prompts, outputs)
@@ -141,7 +141,7 @@ def test_default_model_equals_hf(default_model: Path) -> None:
              for q in questions]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     params = SamplingParams(max_tokens=24)
-    with LLM(default_model, device="cpu", debug_checks=True) as llm:
+    with LLM(default_model, device="cpu", hooks=CHECKED) as llm:
         outputs = llm.generate(prompts, params)
     expected = hf_greedy(default_model, prompts, 24, stop_at_eos=True)
     assert [o.token_ids for o in outputs] == expected

@@ -78,7 +78,7 @@ def test_matches_torch(target: tuple[str, torch.dtype], variant: str, rows: int,
 
 def test_engine_setting_limit_is_the_kernels() -> None:
     from kernels.gemv import MAX_ROWS
-    from minisgl_backend.engine.config import FUSED_GEMV_MAX_BS
+    from minisgl_backend.settings import FUSED_GEMV_MAX_BS
 
     assert FUSED_GEMV_MAX_BS == MAX_ROWS
 

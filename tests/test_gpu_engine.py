@@ -14,7 +14,7 @@ import torch
 
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.testing.tiny_models import build_tiny_model
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import CHECKED, hf_greedy, mixed_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ def gpu_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def generate(model: Path, prompts: list[list[int]], **settings) -> list[list[int]]:  # noqa: ANN003
-    with LLM(model, device="cuda", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cuda", hooks=CHECKED, **settings) as llm:
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
@@ -151,23 +151,22 @@ def test_bfloat16_fused_gemvs_agree_with_torch_reference(gpu_models: dict[str, P
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_float32_mixed_prefill_equals_hf(gpu_models: dict[str, Path]) -> None:
-    """Prefill steps with decode rows riding along (requests admitted while others decode),
+def test_float32_admissions_between_decode_steps_equal_hf(gpu_models: dict[str, Path]) -> None:
+    """Chunked prefill steps between decode steps (requests admitted while others decode),
     graphs and overlap on."""
     prompts = mixed_prompts(8)
     tokens = generate(gpu_models["llama"], prompts, dtype="float32", attention_backend="triton",
-                      mixed_prefill=True, max_running_requests=3, chunked_prefill_size=24,
-                      page_size=4)
+                      max_running_requests=3, chunked_prefill_size=24, page_size=4)
     assert tokens == hf_greedy(gpu_models["llama"], prompts, MAX_TOKENS)
 
 
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
-def test_bfloat16_flashinfer_mixed_prefill_agrees_with_torch_reference(
+def test_bfloat16_flashinfer_chunked_admissions_agree_with_torch_reference(
         gpu_models: dict[str, Path]) -> None:
-    """FlashInfer's prefill with one-token decode rows in its batches."""
+    """FlashInfer's chunked prefill with requests admitted while others decode."""
     prompts = mixed_prompts(8)
-    settings = dict(dtype="bfloat16", mixed_prefill=True, max_running_requests=3,
-                    chunked_prefill_size=24, page_size=4)
+    settings = dict(dtype="bfloat16", max_running_requests=3, chunked_prefill_size=24,
+                    page_size=4)
     reference = generate(gpu_models["qwen3"], prompts, attention_backend="torch",
                          cuda_graph_max_bs=0, overlap=False, **settings)
     fast = generate(gpu_models["qwen3"], prompts, attention_backend="flashinfer", **settings)

@@ -25,7 +25,7 @@ from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.core import sample_seed
 from minisgl_backend.llm import GenerationOutput
 from minisgl_backend.testing.tiny_models import build_tiny_model
-from tests.conftest import mixed_prompts
+from tests.conftest import CHECKED, mixed_prompts
 from tests.test_gpu_engine import GPU_SHAPES
 
 pytestmark = [
@@ -83,7 +83,7 @@ def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[LLM]:
         pytest.skip("needs triton")
     settings = {} if graphs is None else {"cuda_graph_max_bs": graphs}
     with LLM(model_dir, device=DEVICE, dtype="float32", attention_backend=backend,
-             overlap=overlap, max_total_tokens=KV_TOKENS, debug_checks=True, **settings) as llm:
+             overlap=overlap, max_total_tokens=KV_TOKENS, hooks=CHECKED, **settings) as llm:
         yield llm
 
 
@@ -328,7 +328,7 @@ def test_bfloat16_controls_keep_their_invariants(model_dir: Path, graphs: int | 
     wins greedy, log-probabilities finite, <= 0 and sorted."""
     prompts = mixed_prompts(8, seed=6)
     settings = {} if graphs is None else {"cuda_graph_max_bs": graphs}
-    with LLM(model_dir, device=DEVICE, max_total_tokens=KV_TOKENS, debug_checks=True,
+    with LLM(model_dir, device=DEVICE, max_total_tokens=KV_TOKENS, hooks=CHECKED,
              **settings) as llm:
         plain = llm.generate(prompts, params())
         # Ban the tokens greedy decoding likes most, and a two-token continuation.

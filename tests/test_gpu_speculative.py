@@ -15,6 +15,7 @@ from minisgl_backend import LLM
 from minisgl_backend.testing.tiny_models import build_tiny_model
 from tests.test_gpu_engine import GPU_SHAPES
 from tests.test_speculative import _requests
+from tests.conftest import CHECKED
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +30,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(model: Path, **settings: object) -> tuple[list, int]:
-    with LLM(model, device="cuda", max_total_tokens=4096, debug_checks=True,
+    with LLM(model, device="cuda", max_total_tokens=4096, hooks=CHECKED,
              **settings) as llm:
         outs = llm.generate(*_requests())
         return [(o.token_ids, o.finish_reason) for o in outs], llm.scheduler.speculator.accepted

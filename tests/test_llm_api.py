@@ -13,12 +13,12 @@ import pytest
 
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.tokenizer import encode_prompt
-from tests.conftest import mixed_prompts
+from tests.conftest import CHECKED, mixed_prompts
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_models: dict[str, Path]):  # noqa: ANN201
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True) as engine:
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED) as engine:
         yield engine
 
 

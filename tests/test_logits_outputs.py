@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minisgl_backend import LLM, SamplingParams
-from tests.conftest import _hf_model
+from tests.conftest import CHECKED, _hf_model
 
 MAX_TOKENS = 6
 TOL = 1e-4  # float32 engine vs HF
@@ -76,7 +76,7 @@ def _greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_models: dict[str, Path]) -> Iterator[LLM]:
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True) as llm:
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED) as llm:
         yield llm
 
 
@@ -95,12 +95,12 @@ def test_logits_equal_hf_and_bypass_the_prefix_cache(engine: LLM,
     {"overlap": False},
     {"chunked_prefill_size": 4},
     {"chunked_prefill_size": 16, "page_size": 16},
-    {"mixed_prefill": True, "chunked_prefill_size": 8},
+    {"chunked_prefill_size": 8, "max_running_requests": 2},
     {"tp_size": 2},
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_logits_under_engine_settings(tiny_models: dict[str, Path], settings: dict) -> None:
     model = tiny_models["llama"]
-    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as llm:
         check(model, llm.generate(PROMPTS, mix()))
 
 

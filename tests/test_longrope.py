@@ -14,7 +14,7 @@ import torch
 
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.testing.tiny_models import TINY_LONGROPE_ORIGINAL, build_tiny_model
-from tests.conftest import _hf_model, hf_greedy, hf_greedy_whole
+from tests.conftest import CHECKED, _hf_model, hf_greedy, hf_greedy_whole
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -35,7 +35,7 @@ def crossing_prompts() -> list[list[int]]:
 
 def run(model: Path, prompts: list[list[int]], params: SamplingParams = GREEDY,
         **settings: object) -> list[list[int]]:
-    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -56,8 +56,8 @@ def test_the_restart_changes_the_output(model: Path) -> None:
     {"page_size": 1, "chunked_prefill_size": 16},
     {"page_size": 16, "overlap": False},
     {"page_size": 4, "tp_size": 2},
-    {"page_size": 16, "mixed_prefill": True, "chunked_prefill_size": 8},
-], ids=["page1-chunked", "page16-no-overlap", "page4-tp2", "mixed-chunk8"])
+    {"page_size": 16, "chunked_prefill_size": 8, "max_running_requests": 2},
+], ids=["page1-chunked", "page16-no-overlap", "page4-tp2", "page16-chunk8-admitted-over-time"])
 def test_crossing_requests_equal_hf(model: Path, settings: dict) -> None:
     prompts = crossing_prompts()
     assert run(model, prompts, **settings) == hf_greedy(model, prompts, MAX_TOKENS)
@@ -70,7 +70,7 @@ def test_prefix_hits_keep_the_two_frequency_sets_apart(model: Path) -> None:
     long = short + crossing_prompts()[9][:20]
     prompts = [short, long, short + [5, 6], long + [9]]
     expected = hf_greedy(model, prompts, MAX_TOKENS)
-    with LLM(model, device="cpu", debug_checks=True, page_size=4) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, page_size=4) as llm:
         first = [o.token_ids for o in llm.generate(prompts[:1], GREEDY)]
         rest = [o.token_ids for o in llm.generate(prompts[1:], GREEDY)]
         again = llm.generate(prompts, GREEDY)
@@ -94,7 +94,7 @@ def test_speculative_verify_rows_stop_at_the_crossing(model: Path) -> None:
     """ngram drafts on repetitive prompts: a verify row never computes past the length in
     the short frequencies, and the output is HF's."""
     prompts = [([11, 12, 13, 14] * 8)[:n] for n in (23, 27, 30)]
-    with LLM(model, device="cpu", debug_checks=True, page_size=16, speculative="ngram",
+    with LLM(model, device="cpu", hooks=CHECKED, page_size=16, speculative="ngram",
              num_speculative_tokens=4) as llm:
         out = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.scheduler.speculator.accepted > 0
@@ -109,9 +109,8 @@ def test_drafts_end_before_the_length() -> None:
     from minisgl_backend.speculative import speculative_config
 
     cache = CacheManager(64, 4, create_prefix_cache("radix", 4), long_rope_from=32)
-    config = speculative_config({"speculative": "ngram", "num_speculative_tokens": 4,
-                                 "speculative_synthetic_acceptance": 1.0})
-    speculator = Speculator(config, False, 4, cache.short_rope_room)
+    config = speculative_config({"speculative": "ngram", "num_speculative_tokens": 4})
+    speculator = Speculator(config, False, 4, cache.short_rope_room, synthetic_acceptance=1.0)
     # No n-gram repeats: the synthetic acceptance drafts as many tokens as allowed.
     req = Req(uid=0, input_ids=list(range(100, 130)), prompt_len=28, sampling_params=GREEDY,
               seed=0)
@@ -171,7 +170,7 @@ def test_scarce_kv_restarts_wait_for_their_pages(model: Path) -> None:
     at once: they wait, one after another, and every output is HF's."""
     prompt = crossing_prompts()[1]  # 25 tokens: 37 with the output, past 32
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=4)
-    with LLM(model, device="cpu", debug_checks=True, page_size=4,
+    with LLM(model, device="cpu", hooks=CHECKED, page_size=4,
              max_total_tokens=24 * 4) as llm:
         assert llm.scheduler.cache.num_pages < 4 * 10
         out = [o.token_ids for o in llm.generate([prompt], params)]

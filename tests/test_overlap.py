@@ -16,7 +16,7 @@ import pytest
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.scheduler import SchedulerStats
-from tests.conftest import mixed_prompts
+from tests.conftest import CHECKED, mixed_prompts
 
 
 def mixed_workload(prompts: list[list[int]], greedy_outputs: list[list[int]]
@@ -56,7 +56,7 @@ def idle_stats(scheduler) -> SchedulerStats:  # noqa: ANN001
 
 def run(model: Path, prompts: list[list[int]], params: list[SamplingParams],
         **settings) -> list[tuple]:
-    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as llm:
         outputs = llm.generate(prompts, params)
         stats = idle_stats(llm.scheduler)
     assert stats.kv_pages_in_use == 0 and stats.running == 0 and stats.waiting == 0
@@ -76,9 +76,8 @@ def workload(tiny_models: dict[str, Path]) -> tuple[list[list[int]], list[Sampli
     {},
     {"page_size": 16, "chunked_prefill_size": 24},
     {"max_total_tokens": 192, "max_running_requests": 4},  # requests wait; pages are evicted
-    # Prefill steps that also decode the running requests, with requests admitted over time.
-    {"mixed_prefill": True, "max_running_requests": 4, "chunked_prefill_size": 24,
-     "page_size": 4},
+    # Chunked prefill steps between decode steps, with requests admitted over time.
+    {"max_running_requests": 4, "chunked_prefill_size": 24, "page_size": 4},
 ])
 def test_overlap_on_and_off_give_identical_outputs(tiny_models: dict[str, Path], workload,
                                                    settings: dict) -> None:  # noqa: ANN001
@@ -95,7 +94,7 @@ def test_abort_with_a_step_in_flight_frees_everything(tiny_models: dict[str, Pat
     model = tiny_models["qwen3"]
     prompts = mixed_prompts(8)
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
-    with LLM(model, device="cpu", debug_checks=True, overlap=True) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, overlap=True) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, greedy)]
         scheduler = llm.scheduler
         done = threading.Event()

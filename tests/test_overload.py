@@ -23,6 +23,7 @@ import torch
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.scheduler import RequestOutput
 from tests.test_overlap import idle_stats
+from tests.conftest import CHECKED
 
 NUM_REQUESTS = 64
 MAX_RUNNING = 4
@@ -98,7 +99,7 @@ class Figures:
 def run_all(model: Path, prompts: list[list[int]], params: list[SamplingParams],
             **settings) -> Figures:
     """Submit every request at once, in index order (arrival order = uid order)."""
-    with LLM(model, device="cpu", debug_checks=True, **settings) as llm:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as llm:
         scheduler = llm.scheduler
         tracks: dict[int, Track] = {}
         lock = threading.Lock()
@@ -189,7 +190,7 @@ def test_shutdown_under_load_ends_every_request(tiny_models: dict[str, Path]) ->
     ("abort" if they had not finished), later ones end at once with an error; none is lost
     (a request queued behind the shutdown used to never end: `LLM.generate` hung)."""
     prompts, params = overload_workload()
-    llm = LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+    llm = LLM(tiny_models["llama"], device="cpu", hooks=CHECKED,
               max_running_requests=MAX_RUNNING, max_total_tokens=POOL_TOKENS)
     lock = threading.Lock()
     finals: Counter[int] = Counter()
@@ -252,7 +253,7 @@ def test_invalid_token_ids_amid_load_fail_alone(tiny_models: dict[str, Path], wo
     bad = [([5, -1, 7], SamplingParams(max_tokens=4)),
            ([5, 512, 7], SamplingParams(max_tokens=4)),
            ([5, 6, 7], SamplingParams(max_tokens=4, stop_token_ids=[600], min_tokens=2))]
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED,
              max_running_requests=MAX_RUNNING, max_total_tokens=POOL_TOKENS) as llm:
         results: dict[int, Track] = {}
         lock = threading.Lock()

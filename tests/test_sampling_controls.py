@@ -21,7 +21,7 @@ import torch
 
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.core import sample_seed
-from tests.conftest import _hf_model, mixed_prompts
+from tests.conftest import CHECKED, _hf_model, mixed_prompts
 
 MAX_TOKENS = 10
 LP_TOL = 1e-4  # log-probabilities: engine vs HF (float32)
@@ -40,13 +40,13 @@ def params(**kw) -> SamplingParams:  # noqa: ANN003
 
 @pytest.fixture(scope="module")
 def llama(tiny_models: dict[str, Path]) -> Iterator[LLM]:
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True) as engine:
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def smol(default_model: Path) -> Iterator[LLM]:
-    with LLM(default_model, device="cpu", debug_checks=True) as engine:
+    with LLM(default_model, device="cpu", hooks=CHECKED) as engine:
         yield engine
 
 
@@ -231,7 +231,7 @@ def test_repetition_penalty_equals_hf(tiny_models: dict[str, Path], llama: LLM,
     if arch == "llama":
         outputs = llama.generate(prompts, sp)
     else:
-        with LLM(model, device="cpu", debug_checks=True) as engine:
+        with LLM(model, device="cpu", hooks=CHECKED) as engine:
             outputs = engine.generate(prompts, sp)
     assert_plain(model, prompts, outputs, [0, 3])
     bites = 0
@@ -395,7 +395,7 @@ def test_bans_survive_a_later_admission_with_longer_sequences(tiny_models: dict[
     plain_first, plain_second = hf_generate(model, first), hf_generate(model, second)
     bans = [((plain_first[0],),), ((plain_second[0], plain_second[1]),)]
     sp = [params(bad_token_ids=[list(s) for s in b]) for b in bans]
-    with LLM(model, device="cpu", debug_checks=True, chunked_prefill_size=16) as engine:
+    with LLM(model, device="cpu", hooks=CHECKED, chunked_prefill_size=16) as engine:
         outputs = engine.generate([first, second], sp)
     for i, (prompt, b, plain) in enumerate(zip([first, second], bans,
                                                [plain_first, plain_second])):
@@ -510,7 +510,7 @@ def test_n_samples_reuse_the_prompt_when_batched_prompts_share_a_prefix(
     model = tiny_models["llama"]
     other, prompt = [7, 8, 9, 10, 11, 12], [7, 20, 21, 22, 23, 24, 25, 26]
     sp = [PLAIN, params(temperature=0.8, seed=1, n=3)]
-    with LLM(model, device="cpu", debug_checks=True) as engine:  # a cold cache
+    with LLM(model, device="cpu", hooks=CHECKED) as engine:  # a cold cache
         outputs = engine.generate([other, prompt], sp)
     assert [o.index for o in outputs] == [0, 0, 1, 2]
     assert outputs[1].cached_tokens == 0
@@ -559,7 +559,7 @@ def _run_mix(engine: LLM, model: Path) -> list:
 def mix_baseline(tiny_models: dict[str, Path]) -> tuple[list, list]:
     """The mix under the default settings (a fresh engine), run twice: cold, then all hits."""
     model = tiny_models["llama"]
-    with LLM(model, device="cpu", debug_checks=True) as engine:
+    with LLM(model, device="cpu", hooks=CHECKED) as engine:
         cold = _run_mix(engine, model)
         warm = _run_mix(engine, model)
     return cold, warm
@@ -627,14 +627,14 @@ def test_mix_prefix_cache_hits_identical(mix_baseline: tuple[list, list]) -> Non
     {"chunked_prefill_size": 16},
     {"chunked_prefill_size": 16, "page_size": 16, "overlap": False},
     {"max_total_tokens": 180},  # ~2x the largest prompt + max_tokens: requests queue
-    {"mixed_prefill": True, "chunked_prefill_size": 32},
+    {"chunked_prefill_size": 32, "max_running_requests": 3},
     {"tp_size": 2},
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_mix_identical_under_engine_settings(mix_baseline: tuple[list, list],
                                              tiny_models: dict[str, Path], settings: dict
                                              ) -> None:
     model = tiny_models["llama"]
-    with LLM(model, device="cpu", debug_checks=True, **settings) as engine:
+    with LLM(model, device="cpu", hooks=CHECKED, **settings) as engine:
         outputs = _run_mix(engine, model)
         peak = engine.scheduler.peak_running
     assert_same_results(outputs, mix_baseline[0])

@@ -154,9 +154,8 @@ def test_engine_settings_from_parameters(tmp_path) -> None:  # noqa: ANN001
         engine_settings({"page_size": "sixteen"})
     assert engine_settings({"load_format": ""}) == {}  # LLM's default: "auto"
     assert engine_settings({"load_format": " dummy ", "overlap": "false",
-                            "mixed_prefill": "true", "fused_gemv_max_bs": "8"}) == {
-        "load_format": "dummy", "overlap": False, "mixed_prefill": True,
-        "fused_gemv_max_bs": 8}
+                            "fused_gemv_max_bs": "8"}) == {
+        "load_format": "dummy", "overlap": False, "fused_gemv_max_bs": 8}
     repo = tmp_path / "model_repository" / "minisgl"
     assert resolve_model_dir({}, str(repo)) == tmp_path / "models/SmolLM2-135M-Instruct"
     assert resolve_model_dir({"model": "/abs/m"}, str(repo)).as_posix() == "/abs/m"

@@ -31,6 +31,7 @@ from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.core import Req
 from minisgl_backend.scheduler import RequestOutput
 from tests.test_overlap import idle_stats
+from tests.conftest import CHECKED
 
 SOAK_SECONDS = float(os.environ.get("MINISGL_SOAK_SECONDS", "300"))
 WARMUP_SECONDS = min(60.0, SOAK_SECONDS / 5)  # RSS is measured from here on
@@ -38,7 +39,7 @@ NUM_CLIENTS = 3
 OUTSTANDING_PER_CLIENT = 12  # requests a client has submitted and not seen end, at most
 MAX_RUNNING = 8
 POOL_TOKENS = 768  # about 4 of the largest requests (120 prompt + 128 new tokens)
-SETTINGS = dict(device="cpu", debug_checks=True, overlap=True, page_size=4,
+SETTINGS = dict(device="cpu", hooks=CHECKED, overlap=True, page_size=4,
                 chunked_prefill_size=64)
 DRAIN_S = 180  # every request must have ended this long after the last submission
 # Resident memory of this process + the engine process is about 680 MB (torch twice) and grows

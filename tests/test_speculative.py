@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.settings import EngineHooks
 from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, speculative_config
 from minisgl_backend.speculative.ngram import NgramIndex
 from minisgl_backend.speculative.suffix import SuffixProposer
 from minisgl_backend.testing.tiny_models import TINY_ARCHITECTURES, build_tiny_model
 from minisgl_backend.tokenizer import encode_chat
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import CHECKED, hf_greedy, mixed_prompts
 
 KV_TOKENS = 2048
 
@@ -96,7 +97,7 @@ def test_greedy_ngram_equals_hf_on_every_architecture(tmp_path: Path, arch: str)
     prompts = [p + p[:12] + p[:12] for p in mixed_prompts(6, vocab=200)]
     want = hf_greedy(model, prompts, 16)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    with LLM(model, device="cpu", max_total_tokens=KV_TOKENS, debug_checks=True,
+    with LLM(model, device="cpu", max_total_tokens=KV_TOKENS, hooks=CHECKED,
              speculative="ngram", speculative_ngram_min=1, page_size=16) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert llm.scheduler.speculator.drafted > 0
@@ -120,7 +121,7 @@ def test_default_model_16_prompts_equal_without_speculation(default_model: Path)
     results = {}
     for name, settings in (("off", {}), ("ngram", {"speculative": "ngram"}),
                            ("suffix", {"speculative": "suffix"})):
-        with LLM(default_model, device="cpu", max_total_tokens=4096, debug_checks=True,
+        with LLM(default_model, device="cpu", max_total_tokens=4096, hooks=CHECKED,
                  **settings) as llm:
             outs = llm.generate(*_smol_requests(llm.tokenizer))
             results[name] = [(o.token_ids, o.text, o.finish_reason) for o in outs]
@@ -165,11 +166,11 @@ def test_a_stop_token_inside_kept_drafts_ends_the_request_there(tiny_models: dic
 
 
 def test_synthetic_acceptance_keeps_every_draft(tiny_models: dict[str, Path]) -> None:
-    """The benchmark-only setting: drafts are kept with the given probability (here all), so
+    """The benchmark-only hook: drafts are kept with the given probability (here all), so
     requests run to max_tokens in about max_tokens / (k + 1) steps."""
     with LLM(tiny_models["llama"], device="cpu", max_total_tokens=KV_TOKENS,
              speculative="ngram", num_speculative_tokens=3,
-             speculative_synthetic_acceptance=1.0) as llm:
+             hooks=EngineHooks(synthetic_acceptance=1.0)) as llm:
         out = llm.generate([list(range(40, 50))], SamplingParams(max_tokens=33, ignore_eos=True))
         spec = llm.scheduler.speculator
         assert len(out[0].token_ids) == 33
@@ -218,12 +219,16 @@ def test_accepted_drafts_is_the_longest_equal_prefix() -> None:
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"speculative_max_batch_size": 0}, "speculative_max_batch_size"),
     ({"speculative_min_acceptance": 1.5}, "speculative_min_acceptance"),
-    ({"speculative_synthetic_acceptance": -0.1}, "speculative_synthetic_acceptance"),
     ({"num_draft_tokens": 3}, "num_draft_tokens"),
 ])
 def test_invalid_settings_name_the_setting(settings: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         speculative_config(settings)
+
+
+def test_invalid_synthetic_acceptance_names_the_hook() -> None:
+    with pytest.raises(ValueError, match="synthetic_acceptance"):
+        EngineHooks(synthetic_acceptance=-0.1)
 
 
 def test_speculation_is_off_by_default() -> None:
@@ -315,9 +320,8 @@ def test_synthetic_acceptance_at_0_6_keeps_drafting() -> None:
     from minisgl_backend.scheduler.speculation import Speculator
 
     config = SpeculativeConfig(speculative="ngram", num_speculative_tokens=4,
-                               speculative_synthetic_acceptance=0.6,
                                speculative_min_acceptance=0.3)
-    spec = Speculator(config, jump_forward=False, max_drafts=4)
+    spec = Speculator(config, jump_forward=False, max_drafts=4, synthetic_acceptance=0.6)
     reqs = [Req(uid=i, input_ids=[1, 2, 3], prompt_len=3,
                 sampling_params=SamplingParams(max_tokens=1000), seed=0) for i in range(32)]
     full = []  # drafts kept per verify step of 4 drafts

@@ -33,7 +33,7 @@ from minisgl_backend.grammar.guide import (
 )
 from minisgl_backend.models import ModelConfig
 from minisgl_backend.tokenizer import encode_chat
-from tests.conftest import _hf_model, hf_greedy
+from tests.conftest import CHECKED, _hf_model, hf_greedy
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -127,7 +127,7 @@ KV_TOKENS = 8192  # debug_checks walks every page after each step: keep the pool
 
 @pytest.fixture(scope="module")
 def smol(default_model: Path) -> Iterator[LLM]:
-    with LLM(default_model, device="cpu", debug_checks=True, max_total_tokens=KV_TOKENS) as llm:
+    with LLM(default_model, device="cpu", hooks=CHECKED, max_total_tokens=KV_TOKENS) as llm:
         yield llm
 
 
@@ -176,7 +176,7 @@ def test_tiny_model_guided_greedy_equals_the_reference(tiny_models: dict[str, Pa
     model = tiny_models["llama"]
     cases = guided_cases()
     prompts = [[5 + i, 17, 99, 3 * i + 1, 42] for i in range(len(cases))]
-    with LLM(model, device="cpu", debug_checks=True, max_total_tokens=KV_TOKENS) as engine:
+    with LLM(model, device="cpu", hooks=CHECKED, max_total_tokens=KV_TOKENS) as engine:
         outputs = engine.generate(prompts, cases)
     for prompt, p, out in zip(prompts, cases, outputs):
         assert out.token_ids == reference(model, prompt, p), p
@@ -186,7 +186,7 @@ def test_tiny_model_guided_greedy_equals_the_reference(tiny_models: dict[str, Pa
 # inside their grammars, rarely end before max_tokens).
 @pytest.fixture(scope="module")
 def tiny(tiny_models: dict[str, Path]) -> Iterator[LLM]:
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True,
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED,
              max_total_tokens=KV_TOKENS) as llm:
         yield llm
 

@@ -13,7 +13,7 @@ import pytest
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.core import Req
 from minisgl_backend.scheduler.output import OutputTracker, RequestOutput, merge_deltas
-from tests.conftest import mixed_prompts
+from tests.conftest import CHECKED, mixed_prompts
 
 # Fields that differ between two runs of one request: when, its uid, its prefix-cache hits.
 PER_RUN = ("emitted_ns", "first_token_ns", "admitted_ns", "uid", "cached_tokens", "reused_pages")
@@ -21,7 +21,7 @@ PER_RUN = ("emitted_ns", "first_token_ns", "admitted_ns", "uid", "cached_tokens"
 
 @pytest.fixture(scope="module")
 def llm(tiny_models: dict[str, Path]):  # noqa: ANN201
-    with LLM(tiny_models["llama"], device="cpu", debug_checks=True) as engine:
+    with LLM(tiny_models["llama"], device="cpu", hooks=CHECKED) as engine:
         yield engine
 
 

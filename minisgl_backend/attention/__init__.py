@@ -9,8 +9,8 @@ import torch
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.attention.hybrid import HybridAttentionBackend
 from minisgl_backend.kvcache.pool import PagedKVPool
+from minisgl_backend.settings import ATTENTION_BACKENDS
 
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def _importable(module: str) -> bool:

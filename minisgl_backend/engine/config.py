@@ -1,4 +1,5 @@
-"""Engine settings shared by the scheduler and every engine process."""
+"""What every engine process is told: the settings, the model folder, and what follows
+from them."""
 
 from __future__ import annotations
 
@@ -6,27 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-FUSED_GEMV_MAX_BS = 16  # rows the few-rows GEMV kernel takes (kernels/gemv.py MAX_ROWS)
+from minisgl_backend.settings import EngineSettings
+
+# The CPU's default KV pool: this share of physical RAM (a GPU's follows kv_memory_fraction).
+CPU_KV_MEMORY_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str
-    tp_size: int = 1
-    page_size: int = 1
-    max_running_requests: int = 256
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: fit the device
-    device: str = "auto"  # "auto", "cpu" or "cuda"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    attention_backend: str = "auto"
-    kv_memory_fraction: float = 0.85  # GPU: share of free memory the weights + KV may take
-    cpu_kv_memory_fraction: float = 0.10  # CPU default pool: share of physical RAM
-    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random, config only
-    # Decode batches up to this size replay CUDA graphs (GPU only); 0 turns graphs off.
-    cuda_graph_max_bs: int = 256
-    overlap: bool = True  # GPU: prepare and launch step N+1 while step N runs
-    # GPU, tp_size 1: decode batches up to this size run fused few-rows GEMVs; 0: off.
-    fused_gemv_max_bs: int = 2
+class EngineConfig(EngineSettings):
+    model_dir: str = ""
     # Samples a decode row may take in one step: 1 + its draft tokens with speculative
     # decoding or jump-forward (each token of a verify row is a decode row of its own).
     samples_per_row: int = 1

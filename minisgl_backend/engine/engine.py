@@ -21,7 +21,7 @@ from minisgl_backend.attention.torch_ref import token_slots
 from minisgl_backend.core import MAX_LOGPROBS, Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
-from minisgl_backend.engine.config import EngineConfig, resolve_dtype
+from minisgl_backend.engine.config import CPU_KV_MEMORY_FRACTION, EngineConfig, resolve_dtype
 from minisgl_backend.engine.controls import (
     LogitControls,
     LogprobReport,
@@ -282,7 +282,7 @@ class Engine:
                 torch.distributed.all_reduce(pages, op=torch.distributed.ReduceOp.MIN)
             return int(pages.item())
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        tokens = min(int(cfg.cpu_kv_memory_fraction * ram) // (page_bytes // self.page_size),
+        tokens = min(int(CPU_KV_MEMORY_FRACTION * ram) // (page_bytes // self.page_size),
                      MAX_CPU_DEFAULT_TOKENS)
         return max(1, tokens // self.page_size)
 

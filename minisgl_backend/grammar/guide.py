@@ -25,21 +25,13 @@ def allowed_tokens(mask: np.ndarray) -> np.ndarray:
 
 
 class Guide:
-    def __init__(self, compiled: Any, stop_ids: set[int], key: Hashable | None = None,
-                 mirrored: bool = False) -> None:
-        """`key`: what the grammar was compiled from (equal keys, the same grammar); `mirrored`:
-        a mask-fill worker may mirror this matcher (`grammar.fill_pool`), so the tokens it
-        accepts are kept until the mirror follows them."""
+    def __init__(self, compiled: Any, stop_ids: set[int], key: Hashable | None = None) -> None:
+        """`key`: what the grammar was compiled from (equal keys, the same grammar)."""
         self.compiled = compiled
         self.key = key
         self.stop_ids = sorted(stop_ids)
         self._stops = frozenset(stop_ids)
         self.matcher = new_matcher(compiled, self.stop_ids)
-        # Accepted tokens a mirror has not followed yet (all of them until one exists).
-        self.unsynced: list[int] | None = [] if mirrored else None
-        self.mirror: Any = None  # the fill pool's handle of this matcher's mirror, once made
-        # A token the mirror was sent before this matcher accepts it (`MaskFillPool.begin`).
-        self.sent_ahead: int | None = None
         # `finished` as of the last token followed (None: not asked since): a step asks it of
         # every guided row twice (the request's end, the next mask), one FFI call each.
         self._finished: bool | None = False if stop_ids else None
@@ -57,18 +49,11 @@ class Guide:
 
     def followed(self, token: int) -> None:
         """The matcher accepted `token` (the only way its state moves for good: drafts are
-        rolled back): keep it for the mirror, unless it was sent to it ahead."""
+        rolled back)."""
         # A matcher with stop ids ends only by accepting one of them (xgrammar's
         # terminate_without_stop_token is off then: `new_matcher`), so no FFI call is needed to
         # know that any other token leaves it open.
         self._finished = None if token in self._stops or not self._stops else False
-        if self.unsynced is None:
-            return
-        ahead, self.sent_ahead = self.sent_ahead, None
-        if ahead is None:
-            self.unsynced.append(token)
-        elif ahead != token:  # the mirror went another way: none follows this matcher now
-            self.unsynced = None
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (jump-forward), as xgrammar splits the forced text

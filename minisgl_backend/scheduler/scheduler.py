@@ -1,8 +1,7 @@
 """The scheduler: a thread in the caller's process that drives the engine processes.
 
 Each loop iteration takes new requests and aborts, picks one batch (prefill first, with chunked
-prefill; otherwise every running request decodes one token; with `mixed_prefill`, a prefill
-step also decodes one token of every running request), allocates its pages, sends the engine a
+prefill; otherwise every running request decodes one token), allocates its pages, sends the engine a
 compact step message, and turns the sampled tokens into outputs.
 
 With overlap on, the tokens handled in an iteration are those of the step sent in the previous
@@ -35,7 +34,6 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_ready
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, guide_of
-from minisgl_backend.grammar.fill_pool import MaskFillPool
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -45,6 +43,7 @@ from minisgl_backend.scheduler.output import OutputCallback, OutputTracker, Requ
 from minisgl_backend.scheduler.prefill import PrefillManager
 from minisgl_backend.scheduler.speculation import Speculator
 from minisgl_backend.scheduler.table import RowAllocator
+from minisgl_backend.settings import EngineHooks
 from minisgl_backend.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -53,18 +52,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SchedulerConfig:
     engine: EngineConfig
-    chunked_prefill_size: int = 8192
-    cache: str = "radix"  # "radix" or "naive"
-    debug_checks: bool = False  # verify page accounting after every step
-    # Prefill steps also decode one token of every running request (instead of pausing them).
-    mixed_prefill: bool = False
-    step_timeout: float | None = None  # seconds an engine step may take before it is declared dead
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    # Guided rows verify the tokens their grammar forces as drafts (see `speculation`).
-    jump_forward: bool = True
-    # Processes filling guided rows' token masks beside the scheduler's thread (see
-    # `grammar.fill_pool`); 0: none, the scheduler's thread fills them.
-    grammar_workers: int = 0
+    hooks: EngineHooks = field(default_factory=EngineHooks)
 
 
 @dataclass(frozen=True)
@@ -150,8 +139,6 @@ class Scheduler:
                  vocab_size: int, engine: EngineClient | None = None) -> None:
         """`engine`: the engine processes' client; by default started from config.engine
         (tests and the scheduler benchmark pass a stand-in)."""
-        if config.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be >= 1")
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -161,29 +148,26 @@ class Scheduler:
         # (with overlap, in a MASKS message once the tokens of the step before are read).
         self.guided_uids: set[int] = set()
         self.engine = engine or EngineClient(config.engine)
-        masks = getattr(self.engine, "masks", None)  # a stand-in engine may have none
-        self.fill_pool = (MaskFillPool(config.grammar_workers, masks)
-                          if config.grammar_workers > 0 and masks is not None else None)
         page_size = config.engine.page_size
         self.cache = CacheManager(self.engine.num_pages, page_size,
-                                  create_prefix_cache(config.cache, page_size),
+                                  create_prefix_cache(config.engine.cache, page_size),
                                   self.engine.long_rope_from)
         self.rows = RowAllocator(config.engine.max_running_requests)
-        self.prefill = PrefillManager(self.cache, self.rows, config.chunked_prefill_size,
+        self.prefill = PrefillManager(self.cache, self.rows, config.engine.chunked_prefill_size,
                                       config.engine.max_running_requests)
         self.decode = DecodeManager()
         self.speculator = Speculator(
-            config.speculative, config.jump_forward, config.engine.samples_per_row - 1,
+            config.speculative, config.engine.jump_forward, config.engine.samples_per_row - 1,
             self.cache.short_rope_room if self.engine.long_rope_from else None,
-            config.engine.device_type)
+            config.engine.device_type, config.hooks.synthetic_acceptance)
         # Rows whose KV restarts in the long frequencies with the next step (LongRoPE), and
         # how many tokens that restart computes.
         self._long_rope_rows: list[tuple[int, int]] = []
         self.overlap = config.engine.overlap
         self.in_flight: _SentStep | None = None
-        # The in-flight step's masks, to write once the next step's message is out (with the
-        # rows the mask-fill workers took), and the count of steps sent with masks_follow.
-        self._masks_due: tuple[_SentStep, list[int]] | None = None
+        # The in-flight step's masks, to write once the next step's message is out, and the
+        # count of steps sent with masks_follow.
+        self._masks_due: _SentStep | None = None
         self._mask_seq = 0
         self.trackers: dict[int, OutputTracker] = {}
         # Trackers holding deltas not yet emitted: emitted once the next step is sent.
@@ -314,8 +298,6 @@ class Scheduler:
         if self._thread.is_alive():
             self._inbox.put(None)
             self._thread.join()
-        if self.fill_pool is not None:
-            self.fill_pool.close()
         self.engine.shutdown()
 
     # ----- scheduler thread -----------------------------------------------------------------
@@ -383,8 +365,7 @@ class Scheduler:
             self.group_size[item.reqs[0].uid] = len(item.reqs)
         for req, tracker in zip(item.reqs, trackers):
             if req.grammar is not None:
-                req.guide = Guide(req.grammar, tracker.stop_ids, guide_of(req.sampling_params),
-                                  mirrored=self.fill_pool is not None)
+                req.guide = Guide(req.grammar, tracker.stop_ids, guide_of(req.sampling_params))
             self.trackers[req.uid] = tracker
             self.prefill.add(req)
 
@@ -428,15 +409,13 @@ class Scheduler:
             if sent is not None and sent.masks_follow and not any(
                     req.drafts for req in self.in_flight.batch):
                 # The masks wait on the engine (on its device, on a GPU): only the grammars
-                # follow the tokens first (while mask-fill workers, if any, fill the masks).
-                # The tokens are read next, and the next step's message goes out before the
-                # masks, so that the engine prepares and queues that step meanwhile.
-                reply = self.engine.receive_step(self.config.step_timeout)
-                pairs = self._guided_tokens(self.in_flight, reply)
-                by_workers = self._fill_ahead(sent, pairs)
-                OutputTracker.advance_guides(pairs)
+                # follow the tokens first. The tokens are read next, and the next step's
+                # message goes out before the masks, so that the engine prepares and queues that
+                # step meanwhile.
+                reply = self.engine.receive_step()
+                OutputTracker.advance_guides(self._guided_tokens(self.in_flight, reply))
                 self._read_tokens(self.in_flight, reply)
-                self._masks_due = (sent, by_workers)
+                self._masks_due = sent
             else:
                 self._read_tokens(self.in_flight)
         if sent is not None and sent.masks_follow and self._masks_due is None:
@@ -474,10 +453,9 @@ class Scheduler:
         self._long_rope_rows.append((req.table_idx, req.prefill_len))
         self.prefill.restart(req)
 
-    def _send_masks(self, sent: _SentStep, by_workers: list[int] | None = None) -> None:
-        """Write the masks that follow step `sent` (but those of rows `by_workers`, which the
-        mask-fill workers are filling: `_fill_ahead`) and tell the engine they are there."""
-        self._write_masks(sent.batch, sent.masks_follow, sent.mask_half, by_workers or [])
+    def _send_masks(self, sent: _SentStep) -> None:
+        """Write the masks that follow step `sent` and tell the engine they are there."""
+        self._write_masks(sent.batch, sent.masks_follow, sent.mask_half)
         self.engine.masks.mark_ready(sent.mask_seq)
         self.engine.send(masks_ready(sent.mask_seq))
         sent.masks_follow = []
@@ -486,7 +464,7 @@ class Scheduler:
         """The masks of the step in flight, if they wait for the next step's message."""
         if self._masks_due is not None:
             due, self._masks_due = self._masks_due, None
-            self._send_masks(*due)
+            self._send_masks(due)
 
     def _send_next_step(self) -> _SentStep | None:
         """Schedule, send and account one step (its computed tokens become cached)."""
@@ -499,7 +477,7 @@ class Scheduler:
             if req.guide is not None:
                 self.guided_uids.add(req.uid)
         decode = []
-        if not batch or self.config.mixed_prefill:
+        if not batch:
             decode = self.decode.schedule()
             if not batch and not decode:
                 return None  # overlap: every running request may be done; else cannot happen
@@ -533,9 +511,9 @@ class Scheduler:
             return
         if reply is None:
             self._send_due_masks()  # the engine needs them for these tokens
-            reply = self.engine.receive_step(self.config.step_timeout)
+            reply = self.engine.receive_step()
         self._process(sent, reply)
-        if self.config.debug_checks:
+        if self.config.hooks.debug_checks:
             self.cache.check_accounting(self._running())
 
     def _snapshot(self) -> SchedulerStats:
@@ -605,35 +583,23 @@ class Scheduler:
         """Batch indices of the guided rows that sample a token this step."""
         return [i for i, req in enumerate(batch) if req.guide is not None and req.prompt_done]
 
-    def _write_masks(self, batch: list[Req], guided: list[int], half: int,
-                     by_workers: list[int] | None = None) -> None:
+    def _write_masks(self, batch: list[Req], guided: list[int], half: int) -> None:
         """The grammar masks of the slots of the guided rows `guided` (batch indices), into
-        half `half` of the mask buffer, but those of rows `by_workers` (the mask-fill workers',
-        waited for here); a row whose request has ended since (it runs one extra step, whose
-        token is dropped) allows every token."""
+        half `half` of the mask buffer; a row whose request has ended since (it runs one extra
+        step, whose token is dropped) allows every token."""
         masks = self.engine.masks.view(half, len(_slots_of(batch, guided)))
         plain: list[Guide] = []  # rows without drafts: one parallel fill
         plain_slots: list[int] = []
-
-        def write(rows: list[tuple[int, int]]) -> None:  # (batch index, first slot)
-            for i, slot in rows:
-                req = batch[i]
-                if self._allows_all(req):
-                    masks[slot:slot + 1 + len(req.drafts)] = -1
-                elif req.drafts:
-                    req.guide.fill_with_drafts(masks, slot, req.drafts)
-                else:
-                    plain.append(req.guide)
-                    plain_slots.append(slot)
-
-        skip = set(by_workers or ())
-        rows = list(zip(guided, self._mask_starts(batch, guided)))
-        write([(i, slot) for i, slot in rows if i not in skip])
-        if skip and not self.fill_pool.finish():  # the workers failed: theirs too
-            write([(i, slot) for i, slot in rows if i in skip])
-        if self.fill_pool is None or not self.fill_pool.fill(plain, half, len(masks),
-                                                             plain_slots):
-            fill_masks(plain, masks, plain_slots)
+        for i, slot in zip(guided, self._mask_starts(batch, guided)):
+            req = batch[i]
+            if self._allows_all(req):
+                masks[slot:slot + 1 + len(req.drafts)] = -1
+            elif req.drafts:
+                req.guide.fill_with_drafts(masks, slot, req.drafts)
+            else:
+                plain.append(req.guide)
+                plain_slots.append(slot)
+        fill_masks(plain, masks, plain_slots)
 
     def _allows_all(self, req: Req) -> bool:
         """Its request ended (or its grammar did): the row's mask allows every token."""
@@ -647,27 +613,6 @@ class Scheduler:
             return list(range(len(guided)))
         starts = np.cumsum([0] + [1 + len(batch[i].drafts) for i in guided])
         return [int(s) for s in starts[:-1]]
-
-    def _fill_ahead(self, sent: _SentStep, pairs: list[tuple[OutputTracker, int]]) -> list[int]:
-        """With mask-fill workers: send them the masks of `sent`'s guided rows without drafts
-        now, with the tokens (`pairs`, of the step before) that the scheduler's matchers are
-        about to accept, so that those accepts run while the workers fill. The batch indices
-        the workers took (none: the masks are filled as usual)."""
-        if self.fill_pool is None:
-            return []
-        ahead = {tracker.req.uid: token for tracker, token in pairs
-                 if tracker.guide_follows_early(token)}  # what `advance_guides` accepts
-        rows, slots = [], []
-        for i, slot in zip(sent.masks_follow, self._mask_starts(sent.batch, sent.masks_follow)):
-            req = sent.batch[i]
-            if not req.drafts and not self._allows_all(req):
-                rows.append(i)
-                slots.append(slot)
-        taken = self.fill_pool.begin(
-            [sent.batch[i].guide for i in rows], sent.mask_half,
-            len(_slots_of(sent.batch, sent.masks_follow)), slots,
-            [ahead.get(sent.batch[i].uid) for i in rows])
-        return rows if taken else []
 
     def _admission(self, msg: StepMessage, req: Req) -> None:
         stop_ids = (sorted(self.trackers[req.uid].stop_ids)

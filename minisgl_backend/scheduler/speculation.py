@@ -33,19 +33,21 @@ MAX_BACKOFF = 64  # decode steps at most between two tries when nothing could be
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, jump_forward: bool, max_drafts: int,
-                 room: Callable[[Req], int] | None = None, device_type: str = "cpu") -> None:
+                 room: Callable[[Req], int] | None = None, device_type: str = "cpu",
+                 synthetic_acceptance: float | None = None) -> None:
         """`max_drafts`: what the engine was sized for (`EngineConfig.samples_per_row` - 1).
         `room(req)`: the positions a request may compute before its KV restarts (LongRoPE's
         crossing, `CacheManager.short_rope_room`); a verify row stays within them.
-        `device_type`: the engine's ("cpu", "cuda"), for `speculative_min_acceptance`."""
+        `device_type`: the engine's ("cpu", "cuda"), for `speculative_min_acceptance`.
+        `synthetic_acceptance`: benchmarks of random weights (`EngineHooks`)."""
         self.config = config
         self.min_acceptance = config.min_acceptance(device_type)
         self.room = room
         self.jump_forward = jump_forward and max_drafts > 0
         self.max_drafts = min(max_drafts, config.num_speculative_tokens)
         self.proposer = create_proposer(config)
-        synthetic = config.speculative_synthetic_acceptance
-        self._synthetic = None if synthetic is None else (synthetic, random.Random(0))
+        self._synthetic = (None if synthetic_acceptance is None
+                           else (synthetic_acceptance, random.Random(0)))
         # Steps whose rows got no drafts back off (doubling, up to MAX_BACKOFF steps) before
         # drafting is tried again, so that a batch with nothing to draft keeps overlap.
         self._misses = 0

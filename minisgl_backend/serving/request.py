@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minisgl_backend.core import SamplingParams, check_token_ids
+from minisgl_backend.fields import spec_field, validate
 from minisgl_backend.serving.interface import (
     TRITON_REQUEST_PARAMETERS,
     inputs_of,
@@ -32,20 +33,34 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class RequestPolicy:
-    """What one request may take, and the defaults of what it does not say (config.pbtxt
-    parameters of the same names; a limit of 0 means the engine's own)."""
+    """What one request may take, and the defaults of what it does not say: settings of the
+    Triton model (config.pbtxt parameters of the same names)."""
 
-    max_input_bytes: int = 1 << 20  # text_input before tokenization
-    max_prompt_tokens: int = 0
-    max_output_tokens: int = 0
-    max_stop_words: int = 32  # entries of stop_words, bad_words, embedding_bias_words each
-    max_stop_word_length: int = 256  # characters per entry
-    # Context and generation logits are [tokens, vocabulary] float32 tensors: at most this many
-    # values per request (prompt tokens x vocabulary, max_tokens x vocabulary).
-    max_logits_values: int = 1 << 26
-    # For requests that send no exclude_input_in_output (TensorRT-LLM's model parameter):
-    # non-streaming text without the prompt in front.
-    exclude_input_in_output: bool = False
+    max_input_bytes: int = spec_field(1 << 20, "int", "bytes of `text_input` a request may "
+                                      "send (before tokenization)", low=0, where="triton")
+    max_prompt_tokens: int = spec_field(
+        0, "int", "prompt tokens a request may send (0: the engine's context limit)", low=0,
+        where="triton")
+    max_output_tokens: int = spec_field(
+        0, "int", "`max_tokens` a request may ask for (0: the engine's context limit)", low=0,
+        where="triton")
+    max_stop_words: int = spec_field(
+        32, "int", "entries of `stop_words`, `bad_words` and `embedding_bias_words` each",
+        low=0, where="triton")
+    max_stop_word_length: int = spec_field(256, "int", "characters per such entry", low=0,
+                                           where="triton")
+    # Logits are [tokens, vocabulary] float32 tensors: a bound on the memory one request takes.
+    max_logits_values: int = spec_field(
+        1 << 26, "int", "values of `return_context_logits` (prompt tokens x vocabulary) and of "
+        "`return_generation_logits` (max_tokens x vocabulary) per request", low=0,
+        where="triton")
+    exclude_input_in_output: bool = spec_field(
+        False, "bool", "for requests that send no `exclude_input_in_output` (TensorRT-LLM's "
+        "model parameter): non-streaming text without the prompt in front", where="triton",
+        shipped=True)
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,6 @@ class SpeculativeConfig:
     speculative_suffix_tokens: int = spec_field(
         1 << 16, "int", "`suffix`: tokens of ended requests kept to draft from (memory: at "
         "most about 1.2 KB per token)", low=0)
-    # Benchmarks of random-weight models only: accept each draft token with this probability
-    # instead of checking it against the target model (the outputs are then meaningless).
-    speculative_synthetic_acceptance: float | None = spec_field(
-        None, "float", "benchmarks only: accept each draft token with this probability",
-        low=0.0, high=1.0, nullable=True)
 
     def __post_init__(self) -> None:
         validate(self)
