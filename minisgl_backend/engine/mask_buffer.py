@@ -6,7 +6,7 @@ each rank registers the memory with CUDA (page-locked), so a step's masks are co
 device straight from where the scheduler wrote them, without a host copy (0.2 ms a step at 64
 rows on the H200 host). Nothing is left behind on disk or in /dev/shm: the memory goes with
 the last process that maps it. The creator keeps its descriptor (closed with the buffer) to
-share it later with the mask-fill workers (`grammar.fill_pool`), which write rows of it too.
+hand it to each rank (`share`).
 
 After the masks, an int64 "ready word": the scheduler writes into it the `mask_seq` of the
 step whose masks it has just written, and a GPU rank's stream waits for that value before it
