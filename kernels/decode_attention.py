@@ -5,8 +5,8 @@ of a request's tokens and attends all query heads of one KV group to it at once 
 one `tl.dot` operand, padded to 16 rows). With one split (large batches) the program writes the
 output itself; with several it writes a normalized partial output and its log-sum-exp (base 2)
 per query head, and a second kernel, grid (requests, kv_heads), merges them. (Merging in the
-last split program to arrive, behind an atomic counter, measured slower on the H200: its
-atomic and merge sit on the critical path, while the merge kernel's programs run in parallel.)
+last split program to arrive, behind an atomic counter, would put the atomic and the merge on
+the critical path, while the merge kernel's programs run in parallel.)
 The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
 launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
 divided among the splits inside the kernel, and splits past its end produce empty partials.

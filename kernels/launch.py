@@ -1,14 +1,12 @@
 """Launching the project's Triton kernels for less host time.
 
-In Triton 3.6, `kernel[grid](*args)` costs the host thread 15-20 us per launch before the
-compiled kernel's launcher runs: binding and specializing every argument, building the cache
-key, checking the kernel's globals. On an H200 host the sampling chunk kernel (nine
-arguments) took 21.4 us through `kernel[grid]` and 6.4 us through its launcher alone. A decode
-step that samples with every control launches six such kernels outside the CUDA graph, and a
-small model's step cannot spare that. `DirectLaunch` calls the launcher straight once Triton
-has compiled the kernel for a key that fixes what Triton specializes on (10.0 us a launch
-against 14.8 through `kernel[grid]`, on another H200 host). `cdiv` and `next_power_of_2` are
-the host's: Triton's are constexpr functions, a few us a call.
+In Triton 3.6, `kernel[grid](*args)` spends host time on every launch before the compiled
+kernel's launcher runs: binding and specializing every argument, building the cache key,
+checking the kernel's globals; several times what the launcher itself takes. A decode step that
+samples with every control launches six such kernels outside the CUDA graph, and a small
+model's step cannot spare that. `DirectLaunch` calls the launcher straight once Triton has
+compiled the kernel for a key that fixes what Triton specializes on. `cdiv` and
+`next_power_of_2` are the host's: Triton's are constexpr functions, slow to call on the host.
 """
 
 from __future__ import annotations

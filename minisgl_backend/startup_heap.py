@@ -2,9 +2,9 @@
 
 Before it serves anything, a process of ours holds a few hundred thousand objects from its
 imports (torch, transformers, xgrammar) and its model. A full collection walks them all with the
-GIL held, 80-150 ms on a 2-core CI box, which stalls the scheduler's or the engine's thread (on
-a GPU the device then waits). Serving's own allocations set one off now and then: in an offline
-`generate` of a few hundred prompts, the burst of submitted requests did at once. `gc.freeze`
+GIL held for tens of milliseconds or more, which stalls the scheduler's or the engine's thread
+(on a GPU the device then waits). Serving's own allocations set one off now and then, a burst of
+submitted requests for one. `gc.freeze`
 moves every object alive at startup into a permanent generation that collections skip;
 reference counting still frees them. vLLM does the same once its engine is up.
 """

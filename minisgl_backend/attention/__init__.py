@@ -19,8 +19,8 @@ def _importable(module: str) -> bool:
 
 def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
     """On a GPU in half precision: FlashInfer for prefill and the project's Triton kernels for
-    decode (faster than FlashInfer's decode on the H200 at batch 1 to 256, with cheaper graph
-    replays; see benchmark/RESULTS.md), or whichever of the two is installed. Float32 has no
+    decode (faster than FlashInfer's decode at the batch sizes that decode, with cheaper graph
+    replays: docs/benchmarks.md), or whichever of the two is installed. Float32 has no
     FlashInfer kernels. The torch reference on CPU or without either package."""
     if device.type != "cuda":
         return "torch"

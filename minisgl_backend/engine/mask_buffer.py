@@ -1,10 +1,9 @@
 """The guided rows' token masks, shared by the scheduler and the engine ranks in anonymous shared
 memory (a memfd whose descriptor the scheduler hands each rank once, after READY) instead of
 travelling through the pipes: a batch of 64 guided rows over a 152k vocabulary is 1.2 MB a
-step, which took 1.4 ms to send on a CPU host, in the guided step's critical path. On a GPU
-each rank registers the memory with CUDA (page-locked), so a step's masks are copied to the
-device straight from where the scheduler wrote them, without a host copy (0.2 ms a step at 64
-rows on the H200 host). Nothing is left behind on disk or in /dev/shm: the memory goes with
+step, too much to push through a pipe in the guided step's critical path. On a GPU each rank
+registers the memory with CUDA (page-locked), so a step's masks are copied to the device
+straight from where the scheduler wrote them, without a host copy. Nothing is left behind on disk or in /dev/shm: the memory goes with
 the last process that maps it. The creator keeps its descriptor (closed with the buffer) to
 hand it to each rank (`share`).
 

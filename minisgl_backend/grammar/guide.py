@@ -106,7 +106,7 @@ def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
 
 def batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
     """xgrammar's batch accept. Its own wrapper reads the result array one element at a time
-    through tvm_ffi, about 2 us each: at 64 rows as long as the accepts themselves. A masked
+    through tvm_ffi, which costs as much as the accepts themselves. A masked
     row cannot sample a token its grammar rejects, so one containment test (one call; the
     elements are ints, and tvm_ffi's equality does not take False for 0) usually answers."""
     from xgrammar.base import _core  # the wrapper's own entry point (xgrammar is pinned)
@@ -134,8 +134,7 @@ PARALLEL_FILL_ROWS = 128
 
 def fill_threads(rows: int) -> int:
     """Threads of a scheduler thread's mask fill of `rows` rows: one below PARALLEL_FILL_ROWS
-    (handing rows to threads costs more than it saves there: 0.24 ms on one thread vs 0.30 on
-    four at 64 rows of a JSON schema, 1.33 vs 0.84 at 256, on a 16-core H200 host), else half
+    (handing fewer rows to threads costs more than it saves), else half
     the CPUs this process may use, at most FILL_THREADS_MAX (xgrammar's own default, half of
     the host's cores, may be dozens in a container holding a share of a large host)."""
     if rows < PARALLEL_FILL_ROWS:

@@ -111,10 +111,10 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-# Layers with at most this many projection weights take the fused few-rows GEMVs. The H200
-# (benchmark/RESULTS.md, fifth GPU session) measured batch-1 wins on Qwen3-0.6B's 16M-weight
-# layers and losses on Llama-3.1-8B's 218M (where cuBLAS reads big weights faster than
-# kernels/gemv.py); sizes between are unmeasured, so the bound stays near the measured win.
+# Layers with at most this many projection weights take the fused few-rows GEMVs: folding the
+# norms and activations in pays on small layers (Qwen3-0.6B's 16M weights), while cuBLAS reads
+# big weights (Llama-3.1-8B's 218M) faster than kernels/gemv.py. The bound stays near the
+# smallest size known to win.
 FUSED_GEMV_MAX_LAYER_WEIGHTS = 32 * 2**20
 
 

@@ -13,8 +13,8 @@ _REPLACEMENT_CHAR = "\ufffd"
 def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
     """`tokenizer.decode` with these settings, as a function of the ids. For a transformers
     fast tokenizer that changes nothing after its Rust tokenizer (no clean-up of spaces, no
-    decode of its own class), that Rust tokenizer's decode: the same text at about 2.4x less
-    cost per call, which counts since every generated token is decoded twice."""
+    decode of its own class), that Rust tokenizer's decode: the same text without the Python
+    wrapper's cost per call, which counts since every generated token is decoded twice."""
     from transformers import PreTrainedTokenizerFast as Fast
 
     if (isinstance(tokenizer, Fast) and type(tokenizer).decode is Fast.decode
