@@ -106,10 +106,10 @@ def test_drafts_end_before_the_length() -> None:
     from minisgl_backend.kvcache import create_prefix_cache
     from minisgl_backend.scheduler.cache import CacheManager
     from minisgl_backend.scheduler.speculation import Speculator
-    from minisgl_backend.speculative import speculative_config
+    from minisgl_backend.speculative import SpeculativeConfig
 
     cache = CacheManager(64, 4, create_prefix_cache("radix", 4), long_rope_from=32)
-    config = speculative_config({"speculative": "ngram", "num_speculative_tokens": 4})
+    config = SpeculativeConfig(speculative="ngram", num_speculative_tokens=4)
     speculator = Speculator(config, False, 4, cache.short_rope_room, synthetic_acceptance=1.0)
     # No n-gram repeats: the synthetic acceptance drafts as many tokens as allowed.
     req = Req(uid=0, input_ids=list(range(100, 130)), prompt_len=28, sampling_params=GREEDY,

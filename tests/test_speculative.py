@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
-from minisgl_backend.settings import EngineHooks
-from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts, speculative_config
+from minisgl_backend.settings import EngineHooks, split_settings
+from minisgl_backend.speculative import SpeculativeConfig, accepted_drafts
 from minisgl_backend.speculative.ngram import NgramIndex
 from minisgl_backend.speculative.suffix import SuffixProposer
 from minisgl_backend.testing.tiny_models import TINY_ARCHITECTURES, build_tiny_model
@@ -223,7 +223,7 @@ def test_accepted_drafts_is_the_longest_equal_prefix() -> None:
 ])
 def test_invalid_settings_name_the_setting(settings: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        speculative_config(settings)
+        split_settings(settings)
 
 
 def test_invalid_synthetic_acceptance_names_the_hook() -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any, Protocol
+from typing import Protocol
 
 from minisgl_backend.speculative.config import METHODS, SpeculativeConfig
 
@@ -14,17 +13,6 @@ class Proposer(Protocol):
 
     def finish(self, uid: int, tokens: list[int]) -> None:
         """Request `uid` ended with `tokens`."""
-
-
-def speculative_config(settings: dict[str, Any]) -> SpeculativeConfig:
-    """The config of the given settings (`SpeculativeConfig` field names); ValueError names an
-    unknown one."""
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown setting {unknown[0]!r} (speculative decoding settings: "
-                         f"{', '.join(sorted(known))})")
-    return SpeculativeConfig(**settings)
 
 
 def create_proposer(config: SpeculativeConfig) -> Proposer | None:
@@ -50,5 +38,4 @@ def accepted_drafts(drafts: list[int], sampled: list[int]) -> int:
     return count
 
 
-__all__ = ["METHODS", "Proposer", "SpeculativeConfig", "accepted_drafts", "create_proposer",
-           "speculative_config"]
+__all__ = ["METHODS", "Proposer", "SpeculativeConfig", "accepted_drafts", "create_proposer"]
