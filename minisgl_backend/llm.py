@@ -6,48 +6,19 @@ It drives the same scheduler thread and engine processes as the Triton model.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from minisgl_backend.scheduler import Scheduler, SchedulerConfig
+from minisgl_backend.scheduler.output import GenerationOutput, OutputCallback, RequestOutput
 from minisgl_backend.settings import EngineHooks, split_settings
 from minisgl_backend.startup_heap import freeze_startup_heap, thaw_startup_heap
 from minisgl_backend.tokenizer import encode_prompt
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class GenerationOutput:
-    """The result of one sample of one prompt."""
-
-    prompt_tokens: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # generated tokens only
-    finish_reason: str | None = None  # "stop" or "length"
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    index: int = 0  # the sample number, 0 .. n - 1
-    # With SamplingParams.logprobs set, per generated token: its log-probability (log-softmax
-    # of the raw logits) and the `logprobs` most likely tokens with theirs.
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    # With return_context_logits: the prompt's logits [prompt tokens, vocab] (sample 0 only);
-    # with return_generation_logits: each generated token's raw logits [tokens, vocab].
-    context_logits: np.ndarray | None = None
-    generation_logits: np.ndarray | None = None
-    # Speculative decoding: draft tokens verified for this sample, and of them kept.
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        """The sum of `logprobs` (None when they were not asked for)."""
-        return None if self.logprobs is None else float(sum(self.logprobs))
 
 
 class LLM:
@@ -138,40 +109,19 @@ class _Collector:
     prompt's samples in index order."""
 
     def __init__(self, samples: list[int]) -> None:
-        self.first = [sum(samples[:i]) for i in range(len(samples))]  # slot of sample 0
-        count = sum(samples)
-        self.results: list[GenerationOutput | None] = [None] * count
-        self.generation_logits: list[list[np.ndarray]] = [[] for _ in range(count)]
+        self.first = [0, *accumulate(samples)]  # prompt -> the slot of its sample 0
+        self.results = [GenerationOutput() for _ in range(self.first[-1])]
         self.errors: list[str] = []
-        self.remaining = count
+        self.remaining = len(self.results)
         self.done = threading.Event()
         self.lock = threading.Lock()
-        if count == 0:
+        if not self.results:
             self.done.set()
 
-    def callback_for(self, index: int):  # noqa: ANN201 - a closure over the prompt index
+    def callback_for(self, index: int) -> OutputCallback:
         def on_output(out: RequestOutput) -> None:
-            slot = self.first[index] + out.index
-            result = self.results[slot]
-            if result is None:
-                result = self.results[slot] = GenerationOutput(prompt_tokens=out.prompt_tokens,
-                                                               index=out.index)
-            result.text += out.text
-            result.token_ids.extend(out.token_ids)
-            result.cached_tokens = out.cached_tokens
-            result.draft_tokens = out.draft_tokens
-            result.accepted_draft_tokens = out.accepted_draft_tokens
-            if out.logprobs is not None:
-                if result.logprobs is None:
-                    result.logprobs, result.top_logprobs = [], []
-                result.logprobs.extend(out.logprobs)
-                result.top_logprobs.extend(out.top_logprobs or ())
-            if out.context_logits is not None:
-                result.context_logits = out.context_logits
-            if out.generation_logits is not None:
-                self.generation_logits[slot].append(out.generation_logits)
+            self.results[self.first[index] + out.index].add(out)
             if out.finished:
-                result.finish_reason = out.finish_reason
                 with self.lock:
                     if out.error is not None:
                         self.errors.append(f"prompts[{index}]: {out.error}")
@@ -185,10 +135,7 @@ class _Collector:
         self.done.wait()
         if self.errors:
             raise RuntimeError("; ".join(dict.fromkeys(self.errors)))
-        for result, parts in zip(self.results, self.generation_logits):
-            if result is not None and parts:
-                result.generation_logits = np.concatenate(parts)
-        return [r for r in self.results if r is not None]
+        return self.results
 
 
 def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer or None

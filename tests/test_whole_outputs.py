@@ -1,8 +1,10 @@
 """Whole outputs (`Scheduler.submit(stream=False)`: `LLM.generate`, non-streaming Triton
-requests): one output per sample at its end, equal to its streamed deltas joined."""
+requests): one output per sample at its end, equal to its streamed deltas joined
+(`GenerationOutput`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 from pathlib import Path
@@ -12,11 +14,12 @@ import pytest
 
 from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.core import Req
-from minisgl_backend.scheduler.output import OutputTracker, RequestOutput, merge_deltas
+from minisgl_backend.scheduler.output import GenerationOutput, OutputTracker, RequestOutput
 from tests.conftest import CHECKED, mixed_prompts
+from tests.test_output_deltas import joined
 
-# Fields that differ between two runs of one request: when, its uid, its prefix-cache hits.
-PER_RUN = ("emitted_ns", "first_token_ns", "admitted_ns", "uid", "cached_tokens", "reused_pages")
+# Fields that differ between two runs of one request: when, its prefix-cache hits.
+PER_RUN = ("first_token_ns", "last_token_ns", "admitted_ns", "cached_tokens", "reused_pages")
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,12 @@ def _by_sample(outputs: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
     return samples
 
 
-def _same(whole: RequestOutput, joined: RequestOutput) -> None:
-    for name in RequestOutput.__dataclass_fields__:
-        a, b = getattr(whole, name), getattr(joined, name)
+def _same(whole: list[RequestOutput], streamed: list[RequestOutput]) -> None:
+    """The two runs' deltas joined are the same output."""
+    a_run, b_run = joined(*whole), joined(*streamed)
+    names = [f.name for f in dataclasses.fields(GenerationOutput) if not f.name.startswith("_")]
+    for name in [*names, "generation_logits"]:
+        a, b = getattr(a_run, name), getattr(b_run, name)
         if name in PER_RUN:
             continue
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -77,8 +83,7 @@ def test_a_whole_output_equals_its_streamed_deltas_joined(llm: LLM,
     for index, outs in whole.items():
         assert len(outs) == 1 and outs[0].finished  # one output, at the end
         assert len(streamed[index]) == params.max_tokens  # one a token
-        (joined,) = merge_deltas(streamed[index])
-        _same(outs[0], joined)
+        _same(outs, streamed[index])
         assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == params.max_tokens
         assert 0 < outs[0].first_token_ns <= outs[0].emitted_ns
         # The text decoded in one go is the tokenizer's text of the tokens.
@@ -94,8 +99,7 @@ def test_a_whole_output_ends_at_a_stop_token_or_string_as_a_stream_does(llm: LLM
                    SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop_text])):
         streamed = _outputs(llm, prompt, params, stream=True)
         (whole,) = _outputs(llm, prompt, params, stream=False)
-        (joined,) = merge_deltas(streamed)
-        _same(whole, joined)
+        _same([whole], streamed)
         assert whole.finish_reason == "stop"
         assert len(whole.token_ids) < 16 and stop_text not in whole.text
 
@@ -124,10 +128,7 @@ def test_a_whole_output_waits_for_the_end_and_an_abort_sends_the_tokens_before_i
     assert [(o.token_ids, o.finished, o.error) for o in whole] == [
         (tokens, False, None), ([], True, "the request was cancelled")]
     assert [o.finish_reason for o in whole] == [None, "abort"]
-    joined = merge_deltas(streamed)
-    assert len(joined) == 2
-    for a, b in zip(whole, joined):
-        _same(a, b)
+    _same(whole, streamed)
 
 
 def test_the_tokens_a_whole_output_holds_stay_out_of_the_garbage_collectors_way(

@@ -1,10 +1,11 @@
-"""What a request reports back: per-step deltas of tokens and text, and its end."""
+"""What a request reports back: per-step deltas of tokens and text, and its end; and each
+sample's deltas joined."""
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -54,25 +55,81 @@ class RequestOutput:
 OutputCallback = Callable[[RequestOutput], None]
 
 
-def merge_deltas(deltas: Sequence[RequestOutput]) -> list[RequestOutput]:
-    """Consecutive deltas of one request joined into one (tokens and text concatenated; the
-    end, if any, is the last one's): what a streaming client gets when they are sent together.
-    An error end stays a delta of its own, so that the tokens before it still arrive."""
-    if len(deltas) == 1:
-        return list(deltas)
-    if deltas[-1].error is not None:
-        return [*merge_deltas(deltas[:-1]), deltas[-1]]
-    merged = replace(deltas[-1], token_ids=[t for d in deltas for t in d.token_ids],
-                     text="".join(d.text for d in deltas))
-    if deltas[-1].logprobs is not None:
-        merged.logprobs = [x for d in deltas for x in d.logprobs or ()]
-        merged.top_logprobs = [x for d in deltas for x in d.top_logprobs or ()]
-    if deltas[-1].generation_logits is not None:
-        merged.generation_logits = np.concatenate([d.generation_logits for d in deltas
-                                                   if d.generation_logits is not None])
-    context = [d.context_logits for d in deltas if d.context_logits is not None]
-    merged.context_logits = context[0] if context else None
-    return [merged]
+# What a sample takes from each delta as it is (its latest state).
+_LATEST = ("prompt_tokens", "cached_tokens", "index", "finished", "finish_reason", "error",
+           "pages", "reused_pages", "admitted_ns", "draft_tokens", "accepted_draft_tokens")
+
+
+@dataclass
+class GenerationOutput:
+    """One sample of a request, its deltas joined (`add`): what `LLM.generate` returns for it,
+    and what the Triton model sends, whole or (streaming) in parts (`take`)."""
+
+    prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    finish_reason: str | None = None  # "stop" or "length" ("abort" or "error" with `error`)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # the sample number, 0 .. n - 1
+    # With SamplingParams.logprobs set, per generated token: its log-probability (log-softmax
+    # of the raw logits) and the `logprobs` most likely tokens with theirs; and the sum over
+    # every token of the sample (a part's too).
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    # With return_context_logits: the prompt's logits [prompt tokens, vocab] (sample 0 only);
+    # with return_generation_logits, `generation_logits`: each token's raw logits.
+    context_logits: np.ndarray | None = None
+    # Speculative decoding: draft tokens verified for this sample, and of them kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    finished: bool = False
+    error: str | None = None
+    # The latest delta's; and when the sample's first and latest tokens were taken.
+    pages: int = 0
+    reused_pages: int = 0
+    admitted_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    # Joined when read: a sample's streamed deltas each bring [tokens, vocab].
+    _logits: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    @property
+    def generation_logits(self) -> np.ndarray | None:
+        """Each generated token's raw logits [tokens, vocab] (with return_generation_logits)."""
+        if len(self._logits) > 1:
+            self._logits[:] = [np.concatenate(self._logits)]
+        return self._logits[0] if self._logits else None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Join the sample's next delta."""
+        for name in _LATEST:
+            setattr(self, name, getattr(delta, name))
+        self.text += delta.text
+        if delta.token_ids:
+            self.token_ids += delta.token_ids
+            self.first_token_ns = self.first_token_ns or delta.first_token_ns or delta.emitted_ns
+            self.last_token_ns = delta.emitted_ns
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs, self.top_logprobs = [], []
+            self.logprobs += delta.logprobs
+            self.top_logprobs += delta.top_logprobs or ()  # type: ignore[operator]
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(delta.logprobs)
+        if delta.context_logits is not None:
+            self.context_logits = delta.context_logits
+        if delta.generation_logits is not None:
+            self._logits.append(delta.generation_logits)
+
+    def take(self) -> GenerationOutput:
+        """The part added since the last `take` (text, tokens, their log-probabilities and
+        logits, the prompt's logits) with the sample's totals and latest state: a streamed
+        response. This output keeps only the totals."""
+        part = copy.copy(self)
+        self.text, self.token_ids, self.context_logits, self._logits = "", [], None, []
+        if self.logprobs is not None:
+            self.logprobs, self.top_logprobs = [], []
+        return part
 
 
 class _Delta(NamedTuple):
@@ -216,7 +273,7 @@ class OutputTracker:
                 # An abort's text is a stream's: the same held-back text is left out.
                 text_of = self._stream_text if ending else self._whole_text
                 if pending[-1].error is not None and len(pending) > 1:
-                    # The tokens, then the error end on its own (as `merge_deltas` joins them).
+                    # The tokens, then the error end on its own (as a stream sends them).
                     self._emit(pending[:-1], text_of(pending[:-1]))
                     pending = pending[-1:]
                 self._emit(pending, text_of(pending))
