@@ -1,10 +1,10 @@
 """A step's logit edits (penalties, logit bias, bad-word bans, min_p) in two kernels.
 
-The torch path (`minisgl_backend.engine.controls`) spends about thirty small kernels a step on
-these: the penalized rows' counts and prompt mask gathered and ten element-wise passes, the
-bias tables gathered and scattered, the bad-word context compared, min_p's max, compare and
-fill. On a GPU each launch costs the engine's host thread 10-20 us, about as much as a small
-model's whole decode step can spare, so here:
+The torch references (`minisgl_backend.engine.controls.EDITS`) spend about thirty small
+kernels a step on these: the penalized rows' counts and prompt mask gathered and ten
+element-wise passes, the bias tables gathered and scattered, the bad-word context compared,
+min_p's max, compare and fill. On a GPU each launch costs the engine's host thread 10-20 us,
+about as much as a small model's whole decode step can spare, so here:
 
 * `apply_edits`: programs over (row, vocabulary chunk). Each writes its chunk to the output,
   which may be a copy (the raw logits then stay for log-probabilities), and applies the row's
@@ -24,7 +24,7 @@ model's whole decode step can spare, so here:
   (`kernels.sampling.apply_min_p_floor`), or leaves it to the sampling kernels, which apply it
   as they read the logits (one pass over the min_p rows' logits less).
 
-The arithmetic is the torch path's: penalties in float32 (a seen token's positive logit
+The arithmetic is the torch references': penalties in float32 (a seen token's positive logit
 divided by the repetition penalty, a negative one multiplied, then `frequency * count +
 presence * (count > 0)` subtracted), bias values rounded to the logits' dtype and added, the
 min_p compare in float32.
@@ -41,8 +41,10 @@ import triton.language as tl
 from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 from kernels.sampling import MinPFloor, apply_min_p_floor
 
-# Bits of a program row's flags: which edits it applies.
+# Bits of a program row's flags: which edits it applies; in the order the kernel applies them,
+# which is `minisgl_backend.engine.controls.EDITS`' (the torch references').
 PENALTIES, BIAS, BANS, MIN_P = 1, 2, 4, 8
+EDIT_FLAGS = (PENALTIES, BIAS, BANS, MIN_P)
 # Columns of a program row's float32 factors.
 REPETITION, PRESENCE, FREQUENCY, MIN_P_OFFSET = 0, 1, 2, 3
 FACTORS = 4

@@ -11,9 +11,9 @@ once, plus one chunk per row:
    passes `uniform * total`, then a scan of that chunk alone for the first token past it.
 
 That is the inverse-CDF rule in token-id order of the torch path (float rounding may move a
-pick that lies within rounding of a boundary). Rows whose temperature is 0 or whose top_k is
-1 take the first index of the largest logit (torch.argmax's tie rule). Top-k / top-p rows are
-not handled here: they need the sorted path.
+pick that lies within rounding of a boundary). Greedy rows, whose temperature is 0 (decided at
+admission: `core.RowSampling`), take the first index of the largest logit (torch.argmax's tie
+rule). Top-k / top-p rows are not handled here: they need the sorted path.
 
 min_p's floor (`MinPFloor`, left by the edit kernels of `kernels.logit_edits`) is applied as
 the kernels read the logits: a logit below its row's largest edited logit plus the row's
@@ -60,18 +60,7 @@ def _seeded_uniform(seed, position):
 
 
 @triton.jit
-def _temperature(temperature_ptr, row):
-    """A row's temperature (stored in any float precision) in float32."""
-    return tl.load(temperature_ptr + row).to(tl.float32)
-
-
-@triton.jit
-def _is_greedy(temperature_ptr, top_k_ptr, row):
-    return (_temperature(temperature_ptr, row) <= 0) | (tl.load(top_k_ptr + row) == 1)
-
-
-@triton.jit
-def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, max_ptr,
+def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, max_ptr,
                         argmax_ptr, sum_ptr, vocab, num_chunks, floor_rows_ptr, floor_max_ptr,
                         floor_offset_ptr, floor_offset_stride, floor_chunks,
                         CHUNK: tl.constexpr, MIN_P: tl.constexpr,
@@ -84,8 +73,9 @@ def _chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, max_
     if MIN_P:
         x = _floored(x, _row_floor(floor_rows_ptr, floor_max_ptr, floor_offset_ptr,
                                    floor_offset_stride, floor_chunks, row, FLOOR_CHUNKS_P2))
-    if not _is_greedy(temperature_ptr, top_k_ptr, row):
-        x = x / _temperature(temperature_ptr, row)  # monotone: the argmax stays where it is
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)  # stored in any precision
+    if temperature > 0:  # not greedy; monotone: the argmax stays where it is
+        x = x / temperature
     chunk_max = tl.max(x, 0)
     # -inf entries (padding, masked stop ids) add nothing, also in an all -inf chunk.
     mass = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - chunk_max)), 0)
@@ -163,14 +153,15 @@ def _apply_floor_kernel(logits_ptr, stride_row, floor_rows_ptr, floor_max_ptr,
 
 
 @triton.jit
-def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr, seed_ptr,
+def _pick_kernel(logits_ptr, stride_row, temperature_ptr, uniform_ptr, seed_ptr,
                  position_ptr, max_ptr, argmax_ptr, sum_ptr, out_ptr, vocab, num_chunks,
                  floor_rows_ptr, floor_max_ptr, floor_offset_ptr, floor_offset_stride,
                  floor_chunks, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  HASHED: tl.constexpr, MIN_P: tl.constexpr, FLOOR_CHUNKS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunks, chunk_max, row_max = row_chunk_max(max_ptr, row, num_chunks, CHUNKS_P2)
-    if _is_greedy(temperature_ptr, top_k_ptr, row):
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    if temperature <= 0:  # greedy
         best = tl.min(tl.where(chunk_max == row_max, chunks, CHUNKS_P2), 0)
         tl.store(out_ptr + row, tl.load(argmax_ptr + row * num_chunks + best).to(tl.int64))
     else:
@@ -193,7 +184,7 @@ def _pick_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, uniform_ptr
         if MIN_P:
             x = _floored(x, _row_floor(floor_rows_ptr, floor_max_ptr, floor_offset_ptr,
                                        floor_offset_stride, floor_chunks, row, FLOOR_CHUNKS_P2))
-        x = x / _temperature(temperature_ptr, row)
+        x = x / temperature
         p = tl.where(x == float("-inf"), 0.0, tl.exp(x - row_max))
         token_cdf = before + tl.cumsum(p, 0)
         pick = tl.min(tl.where(token_cdf > target, cols, vocab), 0)
@@ -230,18 +221,18 @@ def apply_min_p_floor(logits: torch.Tensor, floor: MinPFloor, chunk: int = 4096)
         num_warps=4)
 
 
-def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
                        uniform: torch.Tensor | None = None, chunk: int = 4096, *,
                        seed: torch.Tensor | None = None,
                        position: torch.Tensor | None = None,
                        min_p: MinPFloor | None = None) -> torch.Tensor:
     """One token id per row of `logits` [bs, vocab] (int64 [bs]).
 
-    temperature [bs] (any float dtype; <= 0: greedy), top_k [bs] (only 1 is looked at:
-    greedy), and the row's draw in (0, 1) for the inverse CDF: `uniform` [bs], or computed in
-    the kernel as `seeded_uniform(seed, position)` of int64 `seed` and `position` [bs] (no
-    host work a step). `chunk`: vocabulary entries per program (a power of two). `min_p`:
-    the rows' min_p floor, applied as the logits are read (they stay as they are).
+    temperature [bs] (any float dtype; 0: greedy), and the row's draw in (0, 1) for the
+    inverse CDF: `uniform` [bs], or computed in the kernel as `seeded_uniform(seed, position)`
+    of int64 `seed` and `position` [bs] (no host work a step). `chunk`: vocabulary entries per
+    program (a power of two). `min_p`: the rows' min_p floor, applied as the logits are read
+    (they stay as they are).
     """
     hashed = uniform is None
     if hashed == (seed is None or position is None):
@@ -257,14 +248,14 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     chunk_sum = torch.empty_like(chunk_max)
     chunk_argmax = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
     draws = (seed, position) if hashed else (uniform, uniform)
-    temperature, top_k, *draws = (t.contiguous() for t in (temperature, top_k, *draws))
+    temperature, *draws = (t.contiguous() for t in (temperature, *draws))
     floor_args, floor_chunks_p2 = _floor_args(min_p, chunk_max)
     _launch_chunk_stats((bs, num_chunks),
-        logits, logits.stride(0), temperature, top_k, chunk_max, chunk_argmax, chunk_sum, vocab,
+        logits, logits.stride(0), temperature, chunk_max, chunk_argmax, chunk_sum, vocab,
         num_chunks, *floor_args, CHUNK=chunk, MIN_P=min_p is not None,
         FLOOR_CHUNKS_P2=floor_chunks_p2, num_warps=4)
     _launch_pick((bs,),
-        logits, logits.stride(0), temperature, top_k, draws[0], draws[0], draws[1], chunk_max,
+        logits, logits.stride(0), temperature, draws[0], draws[0], draws[1], chunk_max,
         chunk_argmax, chunk_sum, out, vocab, num_chunks, *floor_args, CHUNK=chunk,
         CHUNKS_P2=max(2, next_power_of_2(num_chunks)), HASHED=hashed, MIN_P=min_p is not None,
         FLOOR_CHUNKS_P2=floor_chunks_p2, num_warps=4)

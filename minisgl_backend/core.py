@@ -7,16 +7,18 @@ messages and rebuild a `Batch` of plain tensors, which layers read from the proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
-from minisgl_backend.fields import Spec, is_int, is_number, spec_field, specs_of, validate
+import numpy as np
+
+from minisgl_backend.fields import is_int, is_number, spec_field, specs_of, validate
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from minisgl_backend.attention.base import AttentionBackend
@@ -191,32 +193,30 @@ class SamplingParams:
         # Below GREEDY_TEMPERATURE, logits / temperature would overflow float32: act greedy.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    def is_filtered(self, vocab_size: int) -> bool:
+        """Sampling (not greedy) whose top-k or top-p removes tokens of a `vocab_size`
+        vocabulary: the sampler's sorted path."""
+        return not self.is_greedy and (0 < self.top_k < vocab_size or self.top_p < 1.0)
+
     @property
     def uses_penalties(self) -> bool:
-        return bool(penalties_active(self.repetition_penalty, self.presence_penalty,
-                                     self.frequency_penalty))
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
-    def row_values(self, seed: int) -> dict[str, float | int]:
-        """The per-row engine controls (fields with a `row_dtype`) as the engine reads them:
-        greedy rows at temperature 0, `logprobs` None as -1, and the request's resolved seed."""
-        values: dict[str, float | int] = {}
-        for name, (spec, _) in ROW_CONTROLS.items():
-            value = getattr(self, name)
-            values[name] = -1 if value is None else value
-        values["temperature"] = 0.0 if self.is_greedy else self.temperature
-        values["seed"] = seed
-        return values
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0 and not self.is_greedy
+
+    @property
+    def reports_raw_logits(self) -> bool:
+        """Log-probabilities or generation logits: the engine reads the logits unedited."""
+        return self.logprobs is not None or self.return_generation_logits
 
 
 def wants_context_logits(req: Req) -> bool:
     """The one rule for "this request's prompt logits are returned": sample 0 of its `n`
     (the others share that prompt through the prefix cache)."""
     return req.index == 0 and req.sampling_params.return_context_logits
-
-
-def penalties_active(repetition: Any, presence: Any, frequency: Any) -> Any:
-    """The one rule for "this request is penalized", on numbers or on numpy arrays of rows."""
-    return (repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -232,13 +232,90 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 _UINT64 = (1 << 64) - 1
-# The per-row scalars the engine keeps for every table row (sent when a request is admitted),
-# and their dtypes; `seed` is the request's resolved seed, also sent per row.
-ROW_CONTROLS: dict[str, tuple[Spec, Any]] = {
-    name: entry for name, entry in specs_of(SamplingParams).items()
-    if entry[0].row_dtype is not None}
-ROW_DTYPES: dict[str, str] = {**{name: spec.row_dtype for name, (spec, _) in ROW_CONTROLS.items()},
-                              "seed": "int64"}
+Values = Any  # a list while the scheduler appends rows; a numpy array on the wire and in a table
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling controls, decided once per request (`append`): the scheduler appends
+    the rows a step admits (lists), `StepMessage` carries them, the engine keeps one entry per
+    table row (`table`: numpy arrays, floats in float64 for its host arithmetic).
+
+    The values are the `SamplingParams` fields with a `row_dtype` (their wire dtype), greedy
+    rows at temperature 0 (how the kernels read the flag) and `logprobs` None as -1, then the
+    request's resolved seed (int64 bits); the flags are `SamplingParams`' rules."""
+
+    temperature: Values
+    top_k: Values
+    top_p: Values
+    min_p: Values
+    repetition_penalty: Values
+    presence_penalty: Values
+    frequency_penalty: Values
+    logprobs: Values
+    return_generation_logits: Values
+    seed: Values
+    greedy: Values  # `SamplingParams.is_greedy`
+    filtered: Values  # `SamplingParams.is_filtered`
+    uses_penalties: Values
+    uses_min_p: Values
+    reports: Values  # `SamplingParams.reports_raw_logits`
+
+    @classmethod
+    def of(cls, requests: Iterable[tuple[SamplingParams, int]], vocab_size: int) -> RowSampling:
+        """The rows of `requests` (params and int64 seed each) as lists, to `append` to."""
+        rows = cls(*([] for _ in _ROW_DTYPES))
+        for params, seed in requests:
+            rows.append(params, seed, vocab_size)
+        return rows
+
+    def append(self, params: SamplingParams, seed: int, vocab_size: int) -> None:
+        """One request's row (rows as lists), its rules decided for a `vocab_size` model."""
+        for name in _PARAM_VALUES:
+            value = getattr(params, name)
+            getattr(self, name).append(-1 if value is None else value)
+        greedy = params.is_greedy
+        if greedy:
+            self.temperature[-1] = 0.0
+        self.seed.append(seed)
+        self.greedy.append(greedy)
+        self.filtered.append(params.is_filtered(vocab_size))
+        self.uses_penalties.append(params.uses_penalties)
+        self.uses_min_p.append(params.uses_min_p)
+        self.reports.append(params.reports_raw_logits)
+
+    @classmethod
+    def table(cls, num_rows: int) -> RowSampling:
+        """One entry per table row, each a plain request's (`SamplingParams()`) until `put`."""
+        plain = cls.of([(SamplingParams(), 0)], vocab_size=1)
+        return cls(*(np.repeat(np.asarray(getattr(plain, name), _host_dtype(dtype)), num_rows)
+                     for name, dtype in _ROW_DTYPES.items()))
+
+    def put(self, rows: np.ndarray, admitted: RowSampling) -> None:
+        """Table rows `rows` take the admitted rows' values, as the wire carries them."""
+        for name, dtype in _ROW_DTYPES.items():
+            getattr(self, name)[rows] = np.asarray(getattr(admitted, name), dtype=dtype)
+
+    def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        """The rows as named arrays in their wire dtypes (`from_arrays` reads them back)."""
+        return {prefix + name: np.asarray(getattr(self, name), dtype=dtype)
+                for name, dtype in _ROW_DTYPES.items()}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], prefix: str) -> RowSampling:
+        return cls(*(arrays[prefix + name] for name in _ROW_DTYPES))
+
+
+# The per-row values: the fields declared with a `row_dtype`, each an attribute of RowSampling.
+_PARAM_VALUES = {name: spec.row_dtype for name, (spec, _) in specs_of(SamplingParams).items()
+                 if spec.row_dtype is not None}
+_ROW_DTYPES = {f.name: {**_PARAM_VALUES, "seed": "int64"}.get(f.name, "bool")
+               for f in dataclasses.fields(RowSampling)}
+assert set(_PARAM_VALUES) < set(_ROW_DTYPES), "a row_dtype field without its RowSampling entry"
+
+
+def _host_dtype(dtype: str) -> type:
+    return {"float32": np.float64, "bool": np.bool_}.get(dtype, np.int64)
 
 
 def check_token_ids(name: str, ids: Iterable[int], vocab_size: int | None) -> None:
@@ -248,6 +325,15 @@ def check_token_ids(name: str, ids: Iterable[int], vocab_size: int | None) -> No
     ids = list(ids)
     if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
         raise ValueError(f"{name} has token ids outside [0, {vocab_size or 'vocab size'})")
+
+
+def bad_word_sequences(tokenizer: Any, words: Iterable[str], spaced: bool) -> list[tuple[int, ...]]:
+    """The one tokenization of bad words: each word's tokens without special tokens (with
+    `spaced`, also with a leading space, how a word usually appears mid-text), empty ones left
+    out."""
+    texts = [t for w in words
+             for t in dict.fromkeys([w, " " + w if spaced and not w.startswith(" ") else w])]
+    return [tuple(ids) for t in texts if (ids := tokenizer.encode(t, add_special_tokens=False))]
 
 
 @dataclass(eq=False)

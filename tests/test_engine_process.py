@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_backend.core import RowSampling, SamplingParams
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.scheduler.engine_client import EngineClient
@@ -19,8 +20,7 @@ def _prefill() -> StepMessage:
     return StepMessage(is_prefill=True, rows=[0], starts=[0], extend_lens=[len(PROMPT)],
                        tokens=PROMPT, page_rows=[0], page_counts=[len(PROMPT) + STEPS],
                        new_pages=list(range(len(PROMPT) + STEPS)), admit_rows=[0],
-                       admit={"temperature": [0.0], "top_k": [-1], "top_p": [1.0],
-                              "seed": [0]})
+                       admit=RowSampling.of([(SamplingParams(), 0)], vocab_size=1))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -5,15 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from minisgl_backend.attention.torch_ref import token_slots
+from minisgl_backend.core import RowSampling, SamplingParams
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.engine import Engine
 from minisgl_backend.engine.protocol import StepMessage
 
 PAGE_SIZE = 4
-GREEDY = {"temperature": [0.0, 0.0], "top_k": [-1, -1], "top_p": [1.0, 1.0], "seed": [0, 1]}
+VOCAB = 512
+
+
+def _admit(*requests: tuple[dict, int]) -> RowSampling:
+    """The per-row settings of requests of these SamplingParams fields and seeds."""
+    return RowSampling.of([(SamplingParams(**fields), seed) for fields, seed in requests], VOCAB)
 
 
 def test_host_slots_equal_device_slots() -> None:
@@ -41,7 +48,7 @@ def test_host_page_table_follows_the_device_table(tiny_models: dict[str, Path],
     steps = [
         StepMessage(is_prefill=True, rows=[0, 1], starts=[0, 0], extend_lens=[3, 5],
                     tokens=prompts[0] + prompts[1], page_rows=[0, 1], page_counts=[1, 2],
-                    new_pages=[3, 0, 1], admit_rows=[0, 1], admit=GREEDY),
+                    new_pages=[3, 0, 1], admit_rows=[0, 1], admit=_admit(({}, 0), ({}, 1))),
         StepMessage(is_prefill=False, rows=[0, 1], page_rows=[0], page_counts=[1],
                     new_pages=[7]),  # row 0 writes position 3, then 4: its second page
         StepMessage(is_prefill=False, rows=[0, 1]),
@@ -62,7 +69,7 @@ def test_host_page_table_follows_the_device_table(tiny_models: dict[str, Path],
     engine.launch(StepMessage(is_prefill=True, rows=[0], starts=[0], extend_lens=[2],
                               tokens=[1, 2], page_rows=[0], page_counts=[1], new_pages=[9],
                               admit_rows=[0],
-                              admit={k: v[:1] for k, v in GREEDY.items()})).wait()
+                              admit=_admit(({}, 0)))).wait()
     np.testing.assert_array_equal(engine.host_page_table, engine.page_table.numpy())
     assert engine.host_page_table[0, 0] == 9
 
@@ -77,10 +84,10 @@ def test_a_batch_uploads_its_sampling_parameters_once(tiny_models: dict[str, Pat
     engine = Engine(EngineConfig(model_dir=str(tiny_models["llama"]), device="cpu",
                                  page_size=PAGE_SIZE, max_running_requests=3,
                                  max_total_tokens=64), 0, str(tmp_path / "store"))
-    sampled = {"temperature": [0.8, 1.2], "top_k": [-1, 5], "top_p": [1.0, 0.9], "seed": [3, 4]}
-    engine._admit(StepMessage(is_prefill=True, admit_rows=[0, 1], admit=sampled))
+    engine._admit(StepMessage(is_prefill=True, admit_rows=[0, 1], admit=_admit(
+        (dict(temperature=0.8), 3), (dict(temperature=1.2, top_k=5, top_p=0.9), 4))))
     rows, logits = np.array([0, 1]), torch.zeros(2, 8)
-    steps = [engine._sampling_tensors(logits, rows, torch.tensor(p), np.array(p))
+    steps = [engine.controls._sampling_tensors(logits, rows, torch.tensor(p), np.array(p))
              for p in ([5, 6], [6, 7])]
     assert steps[1].temperature is steps[0].temperature and steps[1].seed is steps[0].seed
     for step, positions in zip(steps, ([5, 6], [6, 7])):
@@ -88,8 +95,9 @@ def test_a_batch_uploads_its_sampling_parameters_once(tiny_models: dict[str, Pat
         np.testing.assert_array_equal(step.uniform.numpy(),
                                       seeded_uniform_host(np.array([3, 4]), np.array(positions)))
     assert steps[0].any_filtered and not steps[0].all_greedy
-    engine._admit(StepMessage(is_prefill=True, admit_rows=[1], admit={
-        "temperature": [0.0], "top_k": [-1], "top_p": [1.0], "seed": [9]}))
-    after = engine._sampling_tensors(logits, rows, torch.tensor([7, 1]), np.array([7, 1]))
-    assert after.temperature.tolist() == [0.8, 0.0] and after.seed.tolist() == [3, 9]
+    engine._admit(StepMessage(is_prefill=True, admit_rows=[1], admit=_admit(({}, 9))))
+    after = engine.controls._sampling_tensors(logits, rows, torch.tensor([7, 1]),
+                                              np.array([7, 1]))
+    assert after.temperature.tolist() == [pytest.approx(0.8), 0.0]
+    assert after.seed.tolist() == [3, 9]
     assert not after.any_filtered  # row 1's top-k and top-p went with its request

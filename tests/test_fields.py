@@ -3,12 +3,13 @@ controls and the README table all follow from the declarations."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES, SamplingParams, sample_seed
+from minisgl_backend.core import RowSampling, SamplingParams, sample_seed
 from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.fields import specs_of
 from tests.conftest import REPO_ROOT
@@ -48,18 +49,21 @@ def test_defaults_and_normalized_values() -> None:
     assert plain.logit_bias == {} and plain.bad_token_ids == ()
 
 
-def test_row_values_cover_every_per_row_control_and_travel_in_the_step_message() -> None:
+def test_row_sampling_covers_every_per_row_control_and_travels_in_the_step_message() -> None:
     params = SamplingParams(temperature=0.5, min_p=0.1, repetition_penalty=1.2, logprobs=3)
-    values = params.row_values(seed=9)
-    assert set(values) == set(ROW_DTYPES) == set(ROW_CONTROLS) | {"seed"}
-    assert values["logprobs"] == 3 and values["seed"] == 9 and values["min_p"] == 0.1
-    assert SamplingParams().row_values(1)["logprobs"] == -1  # None travels as -1
-    assert SamplingParams(temperature=1e-7).row_values(1)["temperature"] == 0.0  # greedy
-    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
-                      admit={k: [v] for k, v in values.items()})
-    decoded = StepMessage.from_bytes(msg.to_bytes())
-    assert set(decoded.admit) == set(ROW_DTYPES)
-    assert decoded.admit["repetition_penalty"].tolist() == [pytest.approx(1.2)]
+    rows = RowSampling.of([(params, 9), (SamplingParams(), 1),
+                           (SamplingParams(temperature=1e-7), 1)], vocab_size=100)
+    per_row = {name for name, (spec, _) in specs_of(SamplingParams).items() if spec.row_dtype}
+    assert per_row | {"seed"} < {f.name for f in dataclasses.fields(RowSampling)}
+    assert rows.logprobs[0] == 3 and rows.seed[0] == 9 and rows.min_p[0] == 0.1
+    assert rows.logprobs[1] == -1  # None travels as -1
+    assert rows.temperature[2] == 0.0 and rows.greedy == [False, True, True]  # greedy
+    assert rows.uses_penalties == rows.uses_min_p == rows.reports == [True, False, False]
+    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0, 1, 2], admit=rows)
+    decoded = StepMessage.from_bytes(msg.to_bytes()).admit
+    assert decoded is not None
+    assert decoded.repetition_penalty.tolist() == [pytest.approx(1.2), 1.0, 1.0]
+    assert decoded.greedy.tolist() == [False, True, True]
 
 
 def test_sample_seeds_are_distinct_64_bit_and_sample_0_keeps_the_seed() -> None:

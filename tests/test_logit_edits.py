@@ -12,7 +12,8 @@ import torch
 
 from kernels.logit_edits import SPARSE_POSITIONS, _edit_kernel, apply_edits, min_p_scratch
 from kernels.sampling import MinPFloor, apply_min_p_floor, sample_from_logits
-from minisgl_backend.engine.controls import LogitControls, RowParams, _EditRows
+from minisgl_backend.core import RowSampling, SamplingParams
+from minisgl_backend.engine.controls import LogitControls, _EditRows
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
@@ -27,19 +28,19 @@ def _controls(device: str) -> LogitControls:
     """Rows 1, 2 biased (row 2 with an entry for token 0, the padding id), rows 2, 5, 6 with
     bad words of 1-3 tokens (some matching the token pool's context), rows 1 and 6 with
     min_p, rows 2 and 5 penalized (their first 20 tokens the prompt, the next 20 counted)."""
-    params = RowParams(ROWS)
     pool = torch.zeros(ROWS, POSITIONS, dtype=torch.int32)
     gen = np.random.default_rng(3)
     pool[:, :NEXT] = torch.as_tensor(gen.integers(0, 50, (ROWS, NEXT)), dtype=torch.int32)
     pool[2, 25] = 4999  # a counted token in the last chunk, as the bias at 4999 of row 1
     pool = pool.to(device)
-    controls = LogitControls(params, ROWS, VOCAB, pool)
+    controls = LogitControls(ROWS, VOCAB, pool)
     admitted = np.array([1, 2, 5, 6])
-    admit = {"min_p": [0.1, 0.0, 0.0, 0.3], "temperature": [0.7, 1.0, 1.3, 0.5],
-             "repetition_penalty": [1.0, 1.3, 0.8, 1.0],
-             "presence_penalty": [0.0, 0.5, -0.25, 0.0],
-             "frequency_penalty": [0.0, 0.2, 0.0, 0.0]}
-    params.admit(admitted, admit)
+    admit = RowSampling.of([(SamplingParams(**p), 0) for p in (
+        dict(min_p=0.1, temperature=0.7),
+        dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5,
+             frequency_penalty=0.2),
+        dict(temperature=1.3, repetition_penalty=0.8, presence_penalty=-0.25),
+        dict(min_p=0.3, temperature=0.5))], VOCAB)
     ctx = {r: pool[r, NEXT - 2:NEXT].tolist() for r in (2, 5, 6)}  # the last two tokens
     bans = [(2, [17]), (2, [ctx[2][1], 4000]), (5, [ctx[5][0], ctx[5][1], 4001]),
             (5, [ctx[5][0] + 1, ctx[5][1], 4002]), (6, [4003]), (6, [ctx[6][1], 17]),
@@ -150,14 +151,12 @@ def test_min_p_floor_left_to_sampling_samples_as_written(device: str, copy: bool
     _check(floored.cpu(), _logits(torch.float32), expected, exact=False)
     temperature = torch.full((len(BATCH),), 0.7, device=device)
     temperature[2] = 0.0  # a greedy row among them
-    top_k = torch.zeros(len(BATCH), dtype=torch.int64, device=device)
     for seed in range(12):
         seeds = torch.arange(len(BATCH), device=device) * 1000 + seed
         position = torch.full((len(BATCH),), NEXT, device=device)
-        left = sample_from_logits(out, temperature, top_k, seed=seeds, position=position,
+        left = sample_from_logits(out, temperature, seed=seeds, position=position,
                                   min_p=edits.min_p)
-        written = sample_from_logits(floored, temperature, top_k, seed=seeds,
-                                     position=position)
+        written = sample_from_logits(floored, temperature, seed=seeds, position=position)
         assert torch.equal(left, written)
         assert not floored.gather(1, left.unsqueeze(1)).isinf().any()
 
@@ -191,15 +190,14 @@ def test_the_torch_path_keeps_the_raw_logits_too() -> None:
 
 
 def test_rows_that_only_report_take_no_edit() -> None:
-    """Log-probabilities and generation logits read the raw logits: such rows are `reported`,
-    and only rows with an edit (here min_p) are `edited`, so `apply` and `record` skip the
-    others' steps."""
-    params = RowParams(ROWS)
-    controls = LogitControls(params, ROWS, VOCAB, torch.zeros(ROWS, POSITIONS, dtype=torch.int32))
+    """Log-probabilities and generation logits read the raw logits: such rows `report`, and
+    only rows with an edit (here min_p) are `edited`, so `apply` and `record` skip the others'
+    steps."""
+    controls = LogitControls(ROWS, VOCAB, torch.zeros(ROWS, POSITIONS, dtype=torch.int32))
     rows = np.array([1, 4, 6, 7])
-    admit = {"logprobs": [2, -1, 0, -1], "return_generation_logits": [0, 1, 0, 0],
-             "min_p": [0.0, 0.0, 0.2, 0.0], "temperature": [1.0, 1.0, 1.0, 1.0]}
-    params.admit(rows, admit)
+    admit = RowSampling.of([(SamplingParams(**p), 0) for p in (
+        dict(logprobs=2, temperature=1.0), dict(return_generation_logits=True, temperature=1.0),
+        dict(logprobs=0, min_p=0.2, temperature=1.0), dict(temperature=1.0))], VOCAB)
     controls.admit(StepMessage(is_prefill=True, admit_rows=rows.tolist(), admit=admit))
-    assert controls.reported[rows].tolist() == [True, True, True, False]
+    assert controls.params.reports[rows].tolist() == [True, True, True, False]
     assert controls.edited[rows].tolist() == [False, False, True, False]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels.logprobs import LogprobScratch, _row_top_kernel, logprob_stats
-from minisgl_backend.engine.controls import LogitControls, RowParams
+from minisgl_backend.core import RowSampling, SamplingParams
+from minisgl_backend.engine.controls import LogitControls
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, decode
 from tests.kernel_targets import devices
 
@@ -127,17 +128,18 @@ def test_controls_take_log_probabilities_after_sampling(device: str) -> None:
     """`LogitControls.sampled_logprobs` (on a GPU: the kernels writing the token column too,
     with tables kept between steps) gives what `raw_logprobs` then `report` give, and what
     log_softmax gives, for the rows that ask, over steps of changing batches."""
-    controls, params = _reporting_controls(device)
+    controls = _reporting_controls(device)
+    params = controls.params
     for rows, logits, tokens in _steps(device):
         got = controls.sampled_logprobs(logits, rows, tokens)
         raw = controls.raw_logprobs(logits, rows)
         assert got is not None and raw is not None
         two_steps = controls.report(raw, rows, tokens)
-        wanted = np.nonzero(params["logprobs"][rows] >= 0)[0]
+        wanted = np.nonzero(params.logprobs[rows] >= 0)[0]
         assert got.batch_rows.tolist() == two_steps.batch_rows.tolist() == wanted.tolist()
         torch.testing.assert_close(got.table.cpu(), two_steps.table.cpu(), rtol=0, atol=1e-5)
         cols = LogprobColumns.of_width(got.table.shape[1])
-        assert cols.top == int(params["logprobs"][rows[wanted]].max())
+        assert cols.top == int(params.logprobs[rows[wanted]].max())
         expected = torch.log_softmax(logits.cpu()[wanted], dim=-1)
         table = got.table.cpu()
         assert torch.allclose(table[:, cols.token],
@@ -153,7 +155,7 @@ def test_log_probabilities_begun_beside_sampling_equal_those_taken_after_it(devi
     """`begin_logprobs` (on a GPU: the chunk kernel on a side stream, while the main stream
     works on) then `sampled_logprobs` with it give what `sampled_logprobs` alone gives; off the
     kernels' path nothing is begun."""
-    controls, _ = _reporting_controls(device)
+    controls = _reporting_controls(device)
     for rows, logits, tokens in _steps(device):
         pending = controls.begin_logprobs(logits, rows)
         if device == "cpu":
@@ -172,18 +174,17 @@ def test_log_probabilities_begun_beside_sampling_equal_those_taken_after_it(devi
     assert controls.begin_logprobs(logits, np.array([1, 4])) is None
 
 
-def _reporting_controls(device: str) -> tuple[LogitControls, RowParams]:
+def _reporting_controls(device: str) -> LogitControls:
     """Controls of six table rows, four of them reporting log-probabilities (2, 5, 0 and 3
     top tokens)."""
     rows_total, vocab = 6, 700
-    params = RowParams(rows_total)
     pool = torch.zeros(rows_total, 8, dtype=torch.int32, device=device)
-    controls = LogitControls(params, rows_total, vocab, pool)
+    controls = LogitControls(rows_total, vocab, pool)
     admitted = np.arange(rows_total)
-    admit = {"logprobs": [2, -1, 5, 0, -1, 3]}
-    params.admit(admitted, admit)
+    admit = RowSampling.of([(SamplingParams(logprobs=None if n < 0 else n), 0)
+                            for n in (2, -1, 5, 0, -1, 3)], vocab)
     controls.admit(StepMessage(is_prefill=True, admit_rows=admitted.tolist(), admit=admit))
-    return controls, params
+    return controls
 
 
 def _steps(device: str) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:

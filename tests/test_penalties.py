@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels.logit_edits import _edit_kernel, apply_edits
-from minisgl_backend.engine.controls import LogitControls, RowParams
+from minisgl_backend.core import RowSampling, SamplingParams
+from minisgl_backend.engine.controls import BatchRows, LogitControls
 from minisgl_backend.engine.protocol import StepMessage
 from tests.kernel_targets import devices
 
@@ -20,13 +21,13 @@ VOCAB, ROWS = 3000, 6  # the vocabulary spans two 2048-wide blocks, the last one
 
 def _controls(device: str) -> tuple[LogitControls, np.ndarray]:
     """Rows 1, 3, 4 penalized with prompts and some generated tokens counted."""
-    params = RowParams(ROWS)
     pool = torch.zeros(ROWS, 64, dtype=torch.int32, device=device)
-    controls = LogitControls(params, ROWS, VOCAB, pool)
+    controls = LogitControls(ROWS, VOCAB, pool)
     rows = np.array([1, 3, 4])
-    admit = {"repetition_penalty": [1.3, 0.7, 1.0], "presence_penalty": [0.5, -1.0, 0.0],
-             "frequency_penalty": [0.25, 0.0, -2.0]}
-    params.admit(rows, admit)
+    admit = RowSampling.of([(SamplingParams(repetition_penalty=r, presence_penalty=p,
+                                            frequency_penalty=f), 0)
+                            for r, p, f in ((1.3, 0.5, 0.25), (0.7, -1.0, 0.0),
+                                            (1.0, 0.0, -2.0))], VOCAB)
     gen = np.random.default_rng(0)
     prompts = [gen.integers(0, VOCAB, 20) for _ in rows]
     controls.admit(StepMessage(is_prefill=True, admit_rows=rows.tolist(), admit=admit,
@@ -52,8 +53,9 @@ def _logits(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def _penalized(controls: LogitControls, logits: torch.Tensor, seq_len: int) -> torch.Tensor:
     out = logits.clone()
-    controls._penalize(out, BATCH, np.isin(BATCH, [1, 3, 4]), np.full(len(BATCH), seq_len),
-                       torch.full((len(BATCH),), seq_len))
+    batch = BatchRows(BATCH, torch.as_tensor(BATCH), torch.full((len(BATCH),), seq_len),
+                      np.full(len(BATCH), seq_len))
+    controls._penalize(out, batch, np.isin(BATCH, [1, 3, 4]))
     return out
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minisgl_backend.core import ROW_DTYPES, Req, SamplingParams
+from minisgl_backend.core import Req, RowSampling, SamplingParams
 from minisgl_backend.engine import protocol
 from minisgl_backend.engine.mask_buffer import MaskBuffer
 from minisgl_backend.engine.protocol import STEP, StepMessage, decode, encode
@@ -37,9 +37,11 @@ STEP_DTYPES = {
     "admit_top_k": np.int32,
     "admit_top_p": np.float32,
     "admit_seed": np.int64,
+    "admit_greedy": np.bool_,
 }
-STEP_DTYPES.update({"admit_" + name: np.dtype(dtype) for name, dtype in ROW_DTYPES.items()})
-TWO_ADMIT_FIELDS = {"admit_rows", "admit_temperature", "admit_top_k", "admit_top_p", "admit_seed"}
+VOCAB = 100
+STEP_DTYPES.update({name: array.dtype
+                    for name, array in RowSampling.of((), VOCAB).to_arrays("admit_").items()})
 ADMIT_FIELDS = {k for k in STEP_DTYPES if k.startswith("admit_")}
 PREFILL_FIELDS = {"starts", "extend_lens", "tokens"}
 BASE_FIELDS = {"is_prefill", "rows", "page_rows", "page_counts", "new_pages"}
@@ -87,24 +89,29 @@ def test_prefill_step_with_admissions_roundtrips() -> None:
         page_counts=[1, 1, 1],
         new_pages=[40, 41, 2**31 - 1],
         admit_rows=[3, 7],
-        admit={"temperature": [0.0, 0.7], "top_k": [-1, 50], "top_p": [1.0, 0.9],
-               "seed": [seed_to_int64(2**64 - 1), seed_to_int64(12345)]},
+        admit=RowSampling.of([(SamplingParams(), seed_to_int64(2**64 - 1)),
+                              (SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+                               seed_to_int64(12345))], VOCAB),
     )
     arrays = _roundtrip(msg)
-    assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | TWO_ADMIT_FIELDS
+    assert set(arrays) == BASE_FIELDS | PREFILL_FIELDS | ADMIT_FIELDS
     assert arrays["is_prefill"].tolist() == [1]
     for name in ("rows", "starts", "extend_lens", "tokens", "page_rows", "page_counts",
                  "new_pages", "admit_rows"):
         assert arrays[name].tolist() == getattr(msg, name), name
-    for name in ("top_k", "seed"):
-        assert arrays["admit_" + name].tolist() == msg.admit[name], name
+    assert msg.admit is not None
+    for name in ("top_k", "seed", "greedy", "filtered"):
+        assert arrays["admit_" + name].tolist() == getattr(msg.admit, name), name
     np.testing.assert_array_equal(arrays["admit_temperature"],
-                                  np.asarray(msg.admit["temperature"], dtype=np.float32))
+                                  np.asarray(msg.admit.temperature, dtype=np.float32))
     np.testing.assert_array_equal(arrays["admit_top_p"],
-                                  np.asarray(msg.admit["top_p"], dtype=np.float32))
+                                  np.asarray(msg.admit.top_p, dtype=np.float32))
     decoded = StepMessage.from_bytes(msg.to_bytes())
     assert decoded.is_prefill and decoded.rows.tolist() == msg.rows
-    assert decoded.admit["top_k"].tolist() == [-1, 50] and decoded.min_rows.tolist() == []
+    assert decoded.admit is not None and decoded.min_rows.tolist() == []
+    assert decoded.admit.top_k.tolist() == [-1, 50]
+    assert decoded.admit.greedy.tolist() == [True, False]
+    assert decoded.admit.filtered.tolist() == [False, True]
     assert arrays["admit_seed"].tolist() == [-1, 12345]
 
 
@@ -148,10 +155,12 @@ def test_mask_buffer_halves_are_shared_through_the_handed_descriptor() -> None:
 
 
 def test_decode_step_with_an_admission_carries_admit_but_no_prefill_fields() -> None:
-    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
-                      admit={"temperature": [1.0], "top_k": [1], "top_p": [0.5], "seed": [7]})
+    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0], admit=RowSampling.of(
+        [(SamplingParams(temperature=1.0, top_k=1, top_p=0.5), 7)], VOCAB))
     arrays = _roundtrip(msg)
-    assert set(arrays) == BASE_FIELDS | TWO_ADMIT_FIELDS
+    assert set(arrays) == BASE_FIELDS | ADMIT_FIELDS
+    assert StepMessage.from_bytes(msg.to_bytes()).admit is not None
+    assert StepMessage.from_bytes(StepMessage(is_prefill=False).to_bytes()).admit is None
     assert arrays["admit_rows"].tolist() == [0] and arrays["admit_seed"].tolist() == [7]
 
 
@@ -167,9 +176,8 @@ def test_decode_step_for_256_rows_with_a_few_new_pages_is_under_2_kib() -> None:
 
 @pytest.mark.parametrize("seed", SEEDS_NEAR_2_64)
 def test_uint64_seed_survives_the_step_message_as_its_int64_bit_pattern(seed: int) -> None:
-    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0],
-                      admit={"temperature": [1.0], "top_k": [-1], "top_p": [1.0],
-                             "seed": [seed_to_int64(seed)]})
+    msg = StepMessage(is_prefill=False, rows=[0], admit_rows=[0], admit=RowSampling.of(
+        [(SamplingParams(temperature=1.0), seed_to_int64(seed))], VOCAB))
     wire = _roundtrip(msg)["admit_seed"]
     assert wire.dtype == np.int64
     assert -(2**63) <= int(wire[0]) < 2**63
@@ -193,7 +201,8 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
         prefill.add(req)
     batch, admitted = prefill.schedule([])
     assert batch == admitted == reqs
-    fake_scheduler = SimpleNamespace(cache=cache, guided_uids=set(), _long_rope_rows=[])
+    fake_scheduler = SimpleNamespace(cache=cache, guided_uids=set(), _long_rope_rows=[],
+                                     vocab_size=VOCAB)
     fake_scheduler._admission = lambda msg, req: Scheduler._admission(  # type: ignore[attr-defined]
         fake_scheduler, msg, req)  # type: ignore[arg-type]
     msg = Scheduler._step_message(fake_scheduler, batch, admitted, True,  # type: ignore[arg-type]

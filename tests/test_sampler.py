@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from minisgl_backend.core import RowSampling, SamplingParams
 from minisgl_backend.engine.sampler import (
     SamplingTensors,
-    make_sampling_tensors,
     sample,
     seed_to_int64,
     seeded_uniform,
@@ -15,6 +18,19 @@ from minisgl_backend.engine.sampler import (
 )
 
 VOCAB = 64
+
+
+def sampling_tensors(temperatures: Sequence[float], top_ks: Sequence[int],
+                     top_ps: Sequence[float], seeds: Sequence[int], positions: Sequence[int],
+                     device: str = "cpu", vocab: int = VOCAB) -> SamplingTensors:
+    """The engine's tensors for rows of these settings (64-bit seeds), sampling at
+    `positions`."""
+    requests = [(SamplingParams(temperature=t, top_k=k, top_p=p), seed_to_int64(s))
+                for t, k, p, s in zip(temperatures, top_ks, top_ps, seeds, strict=True)]
+    rows, table = np.arange(len(requests)), RowSampling.table(len(requests))
+    table.put(rows, RowSampling.of(requests, vocab))  # as the engine admits them
+    params = SamplingTensors.of(table, rows, device)
+    return dataclasses.replace(params, position=torch.tensor(positions, device=device))
 
 
 def _params(
@@ -26,8 +42,7 @@ def _params(
     positions: list[int] | None = None,
 ) -> SamplingTensors:
     positions = list(range(n)) if positions is None else positions
-    return make_sampling_tensors([temperature] * n, [top_k] * n, [top_p] * n, [seed] * n,
-                                 positions, "cpu")
+    return sampling_tensors([temperature] * n, [top_k] * n, [top_p] * n, [seed] * n, positions)
 
 
 def _random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -39,14 +54,18 @@ def _repeat(logits_row: torch.Tensor, n: int) -> torch.Tensor:
     return logits_row.unsqueeze(0).expand(n, -1).contiguous()
 
 
-def test_make_sampling_tensors_dtypes_and_greedy_flag() -> None:
-    p = make_sampling_tensors([0.0, 0.7], [5, -1], [1.0, 0.9], [1, 2**64 - 1], [3, 4], "cpu")
-    assert p.temperature.dtype == torch.float32 and p.top_p.dtype == torch.float32
+def test_sampling_tensors_dtypes_and_the_rows_decided_rules() -> None:
+    """Greedy rows (temperature 0 or top_k 1) sample at temperature 0; a row filters where its
+    top-k or top-p removes tokens of the vocabulary."""
+    p = sampling_tensors([0.0, 0.7, 0.5, 0.9], [5, -1, VOCAB, 1], [1.0, 0.9, 1.0, 1.0],
+                         [1, 2**64 - 1, 2, 3], [3, 4, 5, 6])
+    assert p.temperature.dtype == torch.float64 and p.top_p.dtype == torch.float64
     assert p.top_k.dtype == torch.int64 and p.seed.dtype == torch.int64
-    assert p.position.dtype == torch.int64
-    assert p.seed.tolist() == [1, -1]
+    assert p.position is not None and p.position.dtype == torch.int64
+    assert p.seed.tolist() == [1, -1, 2, 3] and p.temperature.tolist()[3] == 0.0
+    assert p.filtered.tolist() == [False, True, False, False] and p.any_filtered
     assert not p.all_greedy
-    assert make_sampling_tensors([0.0, 1.0], [3, 1], [1.0, 1.0], [0, 0], [0, 0], "cpu").all_greedy
+    assert sampling_tensors([0.0, 1.0], [3, 1], [1.0, 1.0], [0, 0], [0, 0]).all_greedy
 
 
 def test_seed_to_int64_bit_pattern() -> None:
@@ -102,9 +121,9 @@ def test_host_uniforms_equal_device_uniforms_bit_for_bit() -> None:
 
 def test_precomputed_uniforms_give_the_same_samples() -> None:
     logits = _random_logits(64, vocab=500)
-    params = _params(64, temperature=0.8, seed=12345)
-    params.top_k[::2] = 20  # half the rows take the sorted (top-k) path
-    params.any_filtered = True
+    params = sampling_tensors([0.8] * 64, [20, -1] * 32, [1.0] * 64, [12345] * 64,
+                              list(range(64)), vocab=500)  # half the rows take the sorted path
+    assert params.any_filtered and params.position is not None
     expected = sample(logits, params)
     params.uniform = torch.from_numpy(
         seeded_uniform_host(params.seed.numpy(), params.position.numpy()))
@@ -171,21 +190,20 @@ def test_same_seed_same_token_regardless_of_batch() -> None:
     vocab = 1000
     rows = _random_logits(9, vocab=vocab, seed=5)
     temps = [0.8, 0.0, 1.0, 1.5, 0.9, 0.0, 1.2, 0.6, 1.0]
-    top_ks = [-1, -1, 50, 0, 10, 3, 1, -1, 2000]
+    top_ks = [-1, -1, 50, -1, 10, 3, 1, -1, 2000]
     top_ps = [1.0, 1.0, 0.9, 0.5, 1.0, 0.3, 1.0, 0.95, 0.8]
     seeds = [7, 7, 2**64 - 1, 123, 2**63, 5, 6, 7, 8]
     positions = [100, 3, 17, 0, 5, 9, 11, 100, 2**40]
-    batch = sample(rows, make_sampling_tensors(temps, top_ks, top_ps, seeds, positions, "cpu"))
+    batch = sample(rows, sampling_tensors(temps, top_ks, top_ps, seeds, positions, vocab=vocab))
     for i in range(len(temps)):
-        alone = make_sampling_tensors(
-            [temps[i]], [top_ks[i]], [top_ps[i]], [seeds[i]], [positions[i]], "cpu"
-        )
+        alone = sampling_tensors([temps[i]], [top_ks[i]], [top_ps[i]], [seeds[i]],
+                                 [positions[i]], vocab=vocab)
         assert sample(rows[i : i + 1], alone).item() == batch[i].item()
     # A different order of the same rows gives the same tokens.
     perm = [8, 2, 5, 0, 7, 1, 4, 3, 6]
-    shuffled = make_sampling_tensors(
+    shuffled = sampling_tensors(
         [temps[i] for i in perm], [top_ks[i] for i in perm], [top_ps[i] for i in perm],
-        [seeds[i] for i in perm], [positions[i] for i in perm], "cpu",
+        [seeds[i] for i in perm], [positions[i] for i in perm], vocab=vocab,
     )
     assert sample(rows[perm], shuffled).tolist() == [batch[i].item() for i in perm]
 
@@ -213,7 +231,7 @@ def test_mixed_greedy_and_sampled_batch() -> None:
     temps = [0.0 if i % 2 == 0 else 1.0 for i in range(n)]
     top_ks = [-1] * n
     top_ks[1] = 1  # greedy via top_k
-    params = make_sampling_tensors(temps, top_ks, [1.0] * n, [11] * n, list(range(n)), "cpu")
+    params = sampling_tensors(temps, top_ks, [1.0] * n, [11] * n, list(range(n)))
     assert not params.all_greedy
     out = sample(logits, params)
     assert (out[0::2] == 7).all()

@@ -14,7 +14,8 @@ import torch
 
 from kernels import is_interpreted
 from kernels.sampling import _pick_kernel, sample_from_logits
-from minisgl_backend.engine.sampler import make_sampling_tensors, sample, seeded_uniform_host
+from minisgl_backend.engine.sampler import sample, seeded_uniform_host
+from tests.test_sampler import sampling_tensors
 
 INTERPRETED = is_interpreted(_pick_kernel)
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -67,8 +68,7 @@ def test_temperature_rows_pick_the_token_of_their_draw(device: str) -> None:
         expected.append(token)
     ids = sample_from_logits(
         logits.to(device), torch.tensor(temperatures, device=device),
-        torch.full((6,), -1, device=device), torch.tensor(uniforms, dtype=torch.float64,
-                                                         device=device), chunk=CHUNK)
+        torch.tensor(uniforms, dtype=torch.float64, device=device), chunk=CHUNK)
     assert ids.dtype == torch.int64
     assert ids.cpu().tolist() == expected
 
@@ -80,25 +80,25 @@ def test_draw_at_the_top_picks_the_last_token_with_mass(device: str) -> None:
     logits = _logits(2, seed=2)
     logits[:, 700:] = float("-inf")
     uniform = torch.full((2,), 1.0 - 0.5 / 2**32, dtype=torch.float64)
-    ids = sample_from_logits(logits.to(device), torch.ones(2, device=device),
-                             torch.full((2,), -1, device=device), uniform.to(device), chunk=CHUNK)
+    ids = sample_from_logits(logits.to(device), torch.ones(2, device=device), uniform.to(device),
+                             chunk=CHUNK)
     assert ids.cpu().tolist() == [699, 699]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_rows_take_the_first_largest_logit(device: str) -> None:
-    """temperature 0 or top_k 1 means argmax, ties going to the lowest index (torch's rule):
-    a tie within one chunk and a tie across chunks."""
+    """Temperature 0 (a greedy row's, decided on admission: `core.RowSampling`) means argmax,
+    ties going to the lowest index (torch's rule): a tie within one chunk and a tie across
+    chunks."""
     logits = _logits(4, seed=3)
     logits[0, [10, 20]] = 50.0  # same chunk
     logits[1, [100, 900]] = 50.0  # different chunks
     logits[3, VOCAB - 1] = 50.0  # in the partial last chunk
-    temperature = torch.tensor([0.0, 0.0, 0.8, 0.0])
-    top_k = torch.tensor([-1, -1, 1, 5])  # row 2: top_k 1 overrides the temperature
-    ids = sample_from_logits(logits.to(device), temperature.to(device), top_k.to(device),
+    ids = sample_from_logits(logits.to(device), torch.zeros(4, device=device),
                              torch.full((4,), 0.5, dtype=torch.float64, device=device),
                              chunk=CHUNK)
     assert ids.cpu().tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert ids.cpu().tolist()[:2] == [10, 100]
     assert ids.cpu().tolist()[:2] == [10, 100]
 
 
@@ -114,22 +114,21 @@ def test_draws_from_seed_and_position_equal_the_hosts(device: str) -> None:
     positions = rng.integers(0, 2**34, bs, dtype=np.int64)
     temperature = torch.tensor(rng.uniform(0.5, 1.5, bs), dtype=torch.float64)
     temperature[::8] = 0.0  # greedy rows too
-    top_k = torch.full((bs,), -1, device=device)
     uniform = torch.from_numpy(seeded_uniform_host(seeds, positions))
-    want = sample_from_logits(logits.to(device), temperature.float().to(device), top_k,
+    want = sample_from_logits(logits.to(device), temperature.float().to(device),
                               uniform.to(device), chunk=CHUNK)
-    got = sample_from_logits(logits.to(device), temperature.to(device), top_k, chunk=CHUNK,
+    got = sample_from_logits(logits.to(device), temperature.to(device), chunk=CHUNK,
                              seed=torch.from_numpy(seeds).to(device),
                              position=torch.from_numpy(positions).to(device))
     assert got.tolist() == want.tolist()
     # The draws decide: one position later, the sampled rows pick other tokens.
-    later = sample_from_logits(logits.to(device), temperature.to(device), top_k, chunk=CHUNK,
+    later = sample_from_logits(logits.to(device), temperature.to(device), chunk=CHUNK,
                                seed=torch.from_numpy(seeds).to(device),
                                position=torch.from_numpy(positions + 1).to(device))
     changed = (later != got).cpu()
     assert not changed[::8].any() and changed.sum() > bs // 2
     with pytest.raises(ValueError, match="either uniform or seed and position"):
-        sample_from_logits(logits.to(device), temperature.to(device), top_k, uniform.to(device),
+        sample_from_logits(logits.to(device), temperature.to(device), uniform.to(device),
                            seed=torch.from_numpy(seeds).to(device),
                            position=torch.from_numpy(positions).to(device))
 
@@ -142,8 +141,9 @@ def test_sampler_uses_the_kernel_for_unfiltered_batches_on_gpu() -> None:
     logits = _logits(4, seed=4).cuda()
     temperatures, tokens = [0.0, 0.7, 1.0, 0.7], [None, 3, 500, 999]
     positions, seeds = [5, 6, 7, 8], [1, 2, 3, 4]
-    params = make_sampling_tensors(temperatures, [-1] * 4, [1.0] * 4, seeds, positions, "cuda")
-    params.any_filtered = False
+    params = sampling_tensors(temperatures, [-1] * 4, [1.0] * 4, seeds, positions, "cuda",
+                              vocab=VOCAB)
+    assert not params.any_filtered
     uniforms = []
     for i, (t, token) in enumerate(zip(temperatures, tokens)):
         if token is None:
@@ -165,12 +165,12 @@ def test_kernel_agrees_with_the_torch_path_at_real_sizes() -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     logits = torch.randn(bs, vocab, device="cuda", generator=gen) * 4
     temperatures = [0.0 if i % 16 == 0 else 0.6 for i in range(bs)]
-    params = make_sampling_tensors(temperatures, [-1] * bs, [1.0] * bs, list(range(bs)),
-                                   [100] * bs, "cuda")
+    params = sampling_tensors(temperatures, [-1] * bs, [1.0] * bs, list(range(bs)),
+                              [100] * bs, "cuda", vocab=vocab)
     uniform = torch.rand(bs, device="cuda", dtype=torch.float64, generator=gen)
     from minisgl_backend.engine.sampler import sample_with_torch
 
     expected = sample_with_torch(logits, params, uniform)
-    ids = sample_from_logits(logits, params.temperature, params.top_k, uniform)
+    ids = sample_from_logits(logits, params.temperature, uniform)
     assert (ids == expected).float().mean().item() >= 0.99
     assert bool((ids[::16] == torch.argmax(logits[::16], dim=-1)).all())

@@ -1,27 +1,31 @@
-"""Per-row sampling controls of an engine: penalties, logit bias, bad words, min_p and
-log-probabilities, applied on the device between the forward and sampling.
+"""The logits pipeline of an engine: every control between a step's forward and its sampled
+tokens, in `SamplingParams`' order, each defined once with its torch reference and its Triton
+kernel side by side (`sampler.uses_kernels` picks one for a step's logits): log-probabilities
+read from the raw logits; the edits (`EDITS`: penalties, logit bias, bad words, min_p); the
+min_tokens mask (`start`); the grammars' masks (the engine's); then sampling (`sample`):
+temperature, min_p's floor, top-k and top-p.
 
-Each table row has its request's settings (host arrays, written on admission) and the state the
-controls need on the device, next to the token pool: generated-token counts and a prompt-token
-mask (penalties), a padded table of bias entries and one of bad-word sequences. The device
-state is allocated on first use and updated from the sampled tokens on the device, so overlap
-scheduling needs nothing back from the scheduler. A step in which no row uses a control runs
-none of its code: each control checks one host flag per row first.
+Each table row has its request's settings (`core.RowSampling`, decided on admission) and the
+state the controls need on the device, next to the token pool: generated-token counts and a
+prompt-token mask (penalties), a padded table of bias entries and one of bad-word sequences.
+The device state is allocated on first use and updated from the sampled tokens on the device,
+so overlap scheduling needs nothing back from the scheduler. A step in which no row uses a
+control runs none of its code: each control checks one host flag per row first.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
-from minisgl_backend.core import ROW_CONTROLS, ROW_DTYPES, penalties_active
+from minisgl_backend.core import RowSampling
 from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, ranges
-from minisgl_backend.layers.fast_ops import use_triton_kernels
+from minisgl_backend.engine.sampler import SamplingTensors, greedy, sample, uses_kernels
 
 if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
     from kernels.logit_edits import EditTables
@@ -29,54 +33,7 @@ if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
     from kernels.sampling import MinPFloor
 
 
-class RowParams:
-    """Every per-row control of `SamplingParams` (`core.ROW_DTYPES`) as a host array per name,
-    one entry per table row; rows hold the defaults until a request is admitted to them."""
-
-    def __init__(self, num_rows: int) -> None:
-        defaults = {name: -1 if default is None else default
-                    for name, (_, default) in ROW_CONTROLS.items()}
-        defaults["seed"] = 0
-        self.defaults = defaults
-        self.arrays = {name: np.full(num_rows, defaults[name], dtype=_host_dtype(dtype))
-                       for name, dtype in ROW_DTYPES.items()}
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.arrays[name]
-
-    def admit(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """Rows start new requests: each control takes the sent value (or its default)."""
-        for name, array in self.arrays.items():
-            array[rows] = values[name] if name in values else self.defaults[name]
-
-
 T = TypeVar("T")
-
-
-class PerBatch:
-    """Values made once per (what, a batch's rows) and kept until `clear`: decode steps of an
-    unchanged batch make nothing again, and an admission, which changes rows' settings,
-    clears them."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit  # values kept at most (many batch shapes in a row: start over)
-        self._kept: dict[tuple[str, bytes], Any] = {}
-
-    def get(self, what: str, rows: np.ndarray, make: Callable[[], T]) -> T:
-        key = (what, rows.tobytes())
-        found = self._kept.get(key)
-        if found is None:
-            if len(self._kept) >= self.limit:
-                self._kept.clear()
-            found = self._kept[key] = make()
-        return found
-
-    def clear(self) -> None:
-        self._kept.clear()
-
-
-def _host_dtype(dtype: str) -> type:
-    return np.float64 if dtype.startswith("float") else np.int64
 
 
 @dataclass
@@ -145,27 +102,54 @@ class _EditRows:
     min_p: MinPFloor | None  # min_p's floor, if a row uses min_p
 
 
-class LogitControls:
-    """The controls of one engine. `apply` edits a step's logits before sampling (in place,
-    or into a copy when the raw logits must stay for log-probabilities); `record` updates the
-    penalty counts from the sampled tokens."""
+class BatchRows(NamedTuple):
+    """A step's batch as the controls read it: each entry's table row (on the host and the
+    device), and the position of the token it samples, the row's length once the token is
+    appended (on the device and the host)."""
 
-    def __init__(self, params: RowParams, num_rows: int, vocab_size: int,
-                 token_pool: torch.Tensor) -> None:
-        self.params = params
+    rows: np.ndarray
+    rows_t: torch.Tensor
+    next_positions: torch.Tensor
+    seq_lens: np.ndarray
+
+
+@dataclass
+class StepLogits:
+    """A step's logits on their way through the pipeline (`LogitControls.start` -> `sample` ->
+    `finish`)."""
+
+    logits: torch.Tensor  # [entries, vocab], as sampling reads them
+    # The forward's logits, unedited: `logits` itself, or the raw values the edited copy was
+    # made from (the log-probabilities are taken of them after sampling).
+    raw: torch.Tensor
+    batch: BatchRows
+    edited: bool = False  # some row's logits are edited (`apply`)
+    min_p: MinPFloor | None = None  # min_p's floor, left to sampling by the edit kernels
+    raw_logprobs: RawLogprobs | None = None  # `raw_logprobs`
+    # Log-probabilities taken after sampling, from `raw` (on a GPU begun before it).
+    sampled_logprobs: bool = False
+    pending_logprobs: PendingLogprobs | None = None  # `begin_logprobs`
+
+
+class LogitControls:
+    """The logits pipeline of one engine, and every table row's settings (`params`) and state.
+    `start` reads and edits a step's logits and applies min_tokens' mask, `sample` samples
+    them, `finish` counts the sampled tokens and reports their log-probabilities."""
+
+    def __init__(self, num_rows: int, vocab_size: int, token_pool: torch.Tensor) -> None:
+        self.params = RowSampling.table(num_rows)
         self.vocab_size = vocab_size
         self.token_pool = token_pool  # [rows, max_seq_len + 1] int32, the engine's
         self.device = token_pool.device
         self.prompt_len = np.zeros(num_rows, dtype=np.int64)
-        # Which rows use which control (host flags: a step checks these before any device work).
-        self.penalized = np.zeros(num_rows, dtype=bool)
+        # Host flags beside `params`' (a step checks these before any device work): rows with
+        # bias entries, with bad-word sequences, and with any edit (`EDITS`).
         self.biased = np.zeros(num_rows, dtype=bool)
         self.banned = np.zeros(num_rows, dtype=bool)
-        self.min_p_rows = np.zeros(num_rows, dtype=bool)
-        # any of the above: `apply` edits the rows' logits (and `record` counts penalized ones)
         self.edited = np.zeros(num_rows, dtype=bool)
-        # log-probabilities or generation logits reported: the raw logits are read, not edited
-        self.reported = np.zeros(num_rows, dtype=bool)
+        # min_tokens: a row's stop ids are masked while it samples positions below min_len.
+        self.min_len = np.zeros(num_rows, dtype=np.int64)
+        self.stop_ids: dict[int, torch.Tensor] = {}
         self.num_rows = num_rows
         # Device state, allocated on first use.
         self.counts: torch.Tensor | None = None  # [rows, vocab] int32: tokens generated
@@ -176,32 +160,42 @@ class LogitControls:
         # [rows, sequences, length] int64: bad-word sequences right-aligned (the banned token
         # last), -1 where a shorter sequence has no token; a row's unused sequences are all -1.
         self.ban_tokens: torch.Tensor | None = None
-        # Per-batch device copies of host values (row indices, factors), by what they are.
-        self._uploads = PerBatch(limit=256)
+        # Values made once per (what, a batch's rows) until the next admission (device copies
+        # of row indices, factors, sampling parameters): an unchanged batch makes none again.
+        self._uploads: dict[tuple[str, bytes], Any] = {}
         self._lp_buffers: dict[tuple[int, int], _LogprobBuffers] = {}  # (rows, top)
         self._stream: torch.cuda.Stream | None = None  # `begin_logprobs`' side stream
+
+    def _per_batch(self, what: str, rows: np.ndarray, make: Callable[[], T]) -> T:
+        """`make()`, made once per (what, rows) until the next admission."""
+        key = (what, rows.tobytes())
+        found = self._uploads.get(key)
+        if found is None:
+            if len(self._uploads) >= 256:  # many batch shapes in a row: start over
+                self._uploads.clear()
+            found = self._uploads[key] = make()
+        return found
 
     def _upload(self, what: str, key: np.ndarray, make: Callable[[], np.ndarray],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """`make()` on the device, uploaded once per (what, key) until the next admission."""
-        return self._uploads.get(what, key, lambda: host_to_device(make(), self.device, dtype))
+        return self._per_batch(what, key, lambda: host_to_device(make(), self.device, dtype))
 
     # ----- admission ---------------------------------------------------------------------
 
     def admit(self, msg: StepMessage) -> None:
-        """Rows of `msg.admit_rows` start new requests: set their flags and device state."""
+        """Rows of `msg.admit_rows` start new requests: their settings, flags and device
+        state."""
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
+        assert msg.admit is not None, "admitted rows without their settings"
+        self.params.put(rows, msg.admit)
         self._uploads.clear()
-        p = self.params
-        self.penalized[rows] = penalties_active(p["repetition_penalty"][rows],
-                                                p["presence_penalty"][rows],
-                                                p["frequency_penalty"][rows])
-        self.min_p_rows[rows] = (p["min_p"][rows] > 0) & (p["temperature"][rows] > 0)
         was_biased, was_banned = self.biased[rows].copy(), self.banned[rows].copy()
         self.biased[rows] = False
         self.banned[rows] = False
-        if self.penalized[rows].any():
-            self._reset_penalty_state(rows[self.penalized[rows]])
+        penalized = rows[self.params.uses_penalties[rows]]
+        if len(penalized):
+            self._reset_penalty_state(penalized)
         if len(msg.prompt_rows):
             self._take_prompts(msg)
         if was_biased.any():
@@ -213,9 +207,10 @@ class LogitControls:
             self._clear(self.ban_tokens, rows[was_banned], -1)
         if len(msg.ban_rows):
             self._take_bans(msg)
-        self.edited[rows] = (self.penalized[rows] | self.biased[rows] | self.banned[rows]
-                             | self.min_p_rows[rows])
-        self.reported[rows] = (p["logprobs"][rows] >= 0) | (p["return_generation_logits"][rows] > 0)
+        self.edited[rows] = np.logical_or.reduce([edit.uses(self)[rows] for edit in EDITS])
+        self.min_len[rows] = 0
+        if len(msg.min_rows):
+            self._take_min_lens(msg)
 
     def _clear(self, table: torch.Tensor | None, rows: np.ndarray, value: int) -> None:
         if table is not None:
@@ -247,10 +242,18 @@ class LogitControls:
         tokens = host_to_device(np.asarray(msg.prompt_tokens, dtype=np.int64), self.device)
         row_t = host_to_device(row_of, self.device)
         self.token_pool[row_t, host_to_device(positions, self.device)] = tokens.to(torch.int32)
-        penalized = self.penalized[row_of]
+        penalized = self.params.uses_penalties[row_of]
         if penalized.any():
             keep = host_to_device(np.nonzero(penalized)[0], self.device)
             self.in_prompt[row_t[keep], tokens[keep]] = True
+
+    def _take_min_lens(self, msg: StepMessage) -> None:
+        counts = np.asarray(msg.min_stop_counts, dtype=np.int64)
+        stop_ids = np.split(np.asarray(msg.min_stop_ids, dtype=np.int64), np.cumsum(counts)[:-1])
+        for row, min_len, ids in zip(np.asarray(msg.min_rows).tolist(),
+                                     np.asarray(msg.min_lens).tolist(), stop_ids):
+            self.min_len[row] = min_len
+            self.stop_ids[row] = host_to_device(ids, self.device)
 
     def _take_biases(self, msg: StepMessage) -> None:
         rows = np.asarray(msg.bias_rows, dtype=np.int64)
@@ -294,6 +297,61 @@ class LogitControls:
 
     # ----- a step ------------------------------------------------------------------------
 
+    def start(self, logits: torch.Tensor, batch: BatchRows, guided: bool,
+              reports: bool) -> StepLogits:
+        """The pipeline up to the grammars' masks: the raw log-probabilities (or, on a GPU,
+        their first kernel), the edits, then min_tokens' mask. `guided`: grammar masks follow
+        (before `sample`); `reports`: this engine answers the step (rank 0)."""
+        rows, seq_lens = batch.rows, batch.seq_lens
+        step = StepLogits(logits, logits, batch, edited=bool(self.edited[rows].any()))
+        reported = reports and bool(self.params.reports[rows].any())
+        early_stops = np.nonzero(self.min_len[rows] > seq_lens)[0]
+        if reported:
+            # The log-probabilities wait until after sampling (`finish`, where the kernels also
+            # fill the sampled tokens' column), read from the raw logits: the edits then write a
+            # copy. Masks alone (grammars, min_tokens) edit in place, after the raw statistics.
+            step.sampled_logprobs = step.edited or not (guided or len(early_stops))
+            if not step.sampled_logprobs:
+                step.raw_logprobs = self.raw_logprobs(logits, rows)
+            else:  # on a GPU their first kernel runs beside the edits and sampling
+                step.pending_logprobs = self.begin_logprobs(logits, rows)
+        if step.edited:
+            step.logits, step.min_p = self.apply(logits, *batch, keep_raw=reported,
+                                                 leave_floor=True)
+        for i in early_stops.tolist():  # below their min_tokens: no stop id (rare: a loop)
+            step.logits[i, self.stop_ids[int(rows[i])]] = float("-inf")
+        return step
+
+    def sample(self, step: StepLogits) -> torch.Tensor:
+        """The step's tokens (int64): temperature, min_p's floor, top-k and top-p
+        (`sampler.sample`), or the argmax where every row is greedy."""
+        batch = step.batch
+        if self.params.greedy[batch.rows].all():
+            return greedy(step.logits, step.min_p)
+        return sample(step.logits, self._sampling_tensors(
+            step.logits, batch.rows, batch.next_positions, batch.seq_lens, step.min_p))
+
+    def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
+                          host_positions: np.ndarray, min_p: MinPFloor | None = None
+                          ) -> SamplingTensors:
+        """The rows' sampling parameters, uploaded once per batch until the next admission,
+        at this step's positions."""
+        kept = self._per_batch("sampling", rows,
+                               lambda: SamplingTensors.of(self.params, rows, self.device))
+        return kept.at(logits, positions, host_positions, min_p)
+
+    def finish(self, step: StepLogits, tokens: torch.Tensor) -> LogprobReport | None:
+        """After sampling `tokens` (int64, as sampled): the penalties' counts, and the
+        log-probabilities of the rows that report them (None if no row does)."""
+        rows = step.batch.rows
+        if step.edited:
+            self.record(rows, step.batch.rows_t, tokens, step.batch.seq_lens)
+        if step.raw_logprobs is not None:
+            return self.report(step.raw_logprobs, rows, tokens)
+        if step.sampled_logprobs:
+            return self.sampled_logprobs(step.raw, rows, tokens, step.pending_logprobs)
+        return None
+
     def raw_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> RawLogprobs | None:
         """What the rows reporting log-probabilities need of the raw logits, taken before masks
         (grammars, min_tokens) set some of them to -inf in place; None if no row asks.
@@ -302,7 +360,7 @@ class LogitControls:
         if reporting is None:
             return None
         wanted, sel, top = reporting
-        if not _kernels_edit(sel):
+        if not uses_kernels(sel):
             cols = LogprobColumns(top)
             table = torch.empty(len(wanted), cols.width, dtype=torch.float32, device=sel.device)
             top_lp, top_ids = table[:, cols.top_logprobs], table[:, cols.top_ids].view(torch.int32)
@@ -332,7 +390,7 @@ class LogitControls:
         raw `logits`' chunk statistics run beside the edits and sampling, which do not change
         `logits` (`apply` with `keep_raw`), instead of after them. None if no row asks, or
         off the kernels' path (`sampled_logprobs` then does it all)."""
-        if not _kernels_edit(logits):
+        if not uses_kernels(logits):
             return None
         return self._chunk_statistics(logits, rows, self._side_stream())
 
@@ -343,7 +401,7 @@ class LogitControls:
         control or mask changed them: `apply` with `keep_raw` edits a copy): on a GPU the
         kernels then write the sampled tokens' column too. `pending`: what `begin_logprobs`
         launched for these logits (its second half follows). None if no row asks."""
-        if not _kernels_edit(logits):
+        if not uses_kernels(logits):
             raw = self.raw_logprobs(logits, rows)
             return self.report(raw, rows, tokens) if raw is not None else None
         from kernels.logprobs import logprob_rows
@@ -390,7 +448,7 @@ class LogitControls:
                    ) -> tuple[np.ndarray, torch.Tensor, int] | None:
         """The batch indices of the rows that report log-probabilities, their logits and the
         most top tokens one asks for; None if no row asks."""
-        logprobs = self.params["logprobs"][rows]
+        logprobs = self.params.logprobs[rows]
         wanted = np.nonzero(logprobs >= 0)[0]
         if len(wanted) == 0:
             return None
@@ -416,44 +474,28 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
               next_positions: torch.Tensor, seq_lens: np.ndarray, keep_raw: bool = False,
               leave_floor: bool = False) -> tuple[torch.Tensor, MinPFloor | None]:
-        """Penalties, bias, bad words and min_p on `logits` [bs, vocab], in that order. Returns
-        the logits to sample from: `logits` edited in place, or with `keep_raw` an edited copy
-        (`logits` then stay raw for the log-probabilities); and, with `leave_floor`, min_p's
-        floor where the kernels left it to sampling (`kernels.sampling.MinPFloor`: the
-        sampler applies it), else None. `next_positions` [bs] (device) and `seq_lens` [bs]
-        (host): positions of the tokens being sampled."""
-        if _kernels_edit(logits):
-            return self._apply_kernels(logits, rows, rows_t, next_positions, keep_raw,
-                                       leave_floor)
+        """The edits (`EDITS`) on `logits` [bs, vocab], in order. Returns the logits to sample
+        from: `logits` edited in place, or with `keep_raw` an edited copy (`logits` then stay
+        raw for the log-probabilities); and, with `leave_floor`, min_p's floor where the
+        kernels left it to sampling (`kernels.sampling.MinPFloor`: the sampler applies it),
+        else None. The other arguments are `BatchRows`' fields."""
+        if uses_kernels(logits):  # one kernel; min_p's floor in a second or in sampling's
+            from kernels.logit_edits import apply_edits
+
+            edits = self._per_batch("edit rows" if keep_raw else "edited rows", rows,
+                                    lambda: self._edit_rows(rows, keep_raw))
+            out = torch.empty_like(logits) if keep_raw else logits
+            apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
+                        edits.tables, edits.flags, min_p=edits.min_p, floor=not leave_floor)
+            return out, edits.min_p if leave_floor else None
         if keep_raw:
             logits = logits.clone()
-        penalized = self.penalized[rows]
-        if penalized.any():
-            self._penalize(logits, rows, penalized, seq_lens, next_positions)
-        if self.biased[rows].any():
-            assert self.bias_ids is not None and self.bias_values is not None
-            logits.scatter_add_(1, self.bias_ids[rows_t],
-                                self.bias_values[rows_t].to(logits.dtype))
-        if self.banned[rows].any():
-            self._ban(logits, rows_t, next_positions)
-        min_p = self.min_p_rows[rows]
-        if min_p.any():
-            self._min_p(logits, rows, min_p)
+        batch = BatchRows(rows, rows_t, next_positions, seq_lens)
+        for edit in EDITS:
+            which = edit.uses(self)[rows]
+            if which.any():
+                edit.torch_ref(self, logits, batch, which)
         return logits, None
-
-    def _apply_kernels(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
-                       next_positions: torch.Tensor, keep_raw: bool, leave_floor: bool
-                       ) -> tuple[torch.Tensor, MinPFloor | None]:
-        """`apply` on a GPU: every edit in one kernel, min_p's floor in a second or in the
-        sampling kernels (`kernels/logit_edits.py`)."""
-        from kernels.logit_edits import apply_edits
-
-        edits = self._uploads.get("edit rows" if keep_raw else "edited rows", rows,
-                                  lambda: self._edit_rows(rows, keep_raw))
-        out = torch.empty_like(logits) if keep_raw else logits
-        apply_edits(logits, out, edits.program_rows, rows_t, next_positions, edits.factors,
-                    edits.tables, edits.flags, min_p=edits.min_p, floor=not leave_floor)
-        return out, edits.min_p if leave_floor else None
 
     def _edit_rows(self, rows: np.ndarray, every_row: bool) -> _EditRows:
         """The edit kernels' rows of a batch: its edited rows, or `every_row` (a copy is
@@ -462,18 +504,15 @@ class LogitControls:
 
         which = np.arange(len(rows)) if every_row else np.nonzero(self.edited[rows])[0]
         sel = rows[which]
-        flags = (k.PENALTIES * self.penalized[sel] + k.BIAS * self.biased[sel]
-                 + k.BANS * self.banned[sel] + k.MIN_P * self.min_p_rows[sel])
+        flags = sum(flag * edit.uses(self)[sel] for flag, edit in zip(k.EDIT_FLAGS, EDITS))
         p = self.params
         factors = np.zeros((len(sel), k.FACTORS), dtype=np.float32)
-        penalized = self.penalized[sel]
-        factors[:, k.REPETITION] = np.where(penalized, p["repetition_penalty"][sel], 1.0)
-        factors[:, k.PRESENCE] = np.where(penalized, p["presence_penalty"][sel], 0.0)
-        factors[:, k.FREQUENCY] = np.where(penalized, p["frequency_penalty"][sel], 0.0)
-        uses_min_p = self.min_p_rows[sel]  # per program row
-        min_p = sel[uses_min_p]
-        factors[uses_min_p, k.MIN_P_OFFSET] = min_p_offset(p["temperature"][min_p],
-                                                           p["min_p"][min_p])
+        penalized = p.uses_penalties[sel]
+        factors[:, k.REPETITION] = np.where(penalized, p.repetition_penalty[sel], 1.0)
+        factors[:, k.PRESENCE] = np.where(penalized, p.presence_penalty[sel], 0.0)
+        factors[:, k.FREQUENCY] = np.where(penalized, p.frequency_penalty[sel], 0.0)
+        uses_min_p = p.uses_min_p[sel]  # per program row
+        factors[uses_min_p, k.MIN_P_OFFSET] = self._min_p_offsets(sel[uses_min_p])
         union = int(np.bitwise_or.reduce(flags))
         in_prompt = self.in_prompt.view(torch.uint8) if self.in_prompt is not None else None
         factors_t = host_to_device(factors, self.device)
@@ -494,22 +533,26 @@ class LogitControls:
                                 self.token_pool),
             min_p=floor)
 
-    def _penalize(self, logits: torch.Tensor, rows: np.ndarray, penalized: np.ndarray,
-                  seq_lens: np.ndarray, next_positions: torch.Tensor) -> None:
+    # The edits' torch references, on the entries `which` (a mask) of a batch that use them.
+
+    def _penalize(self, logits: torch.Tensor, batch: BatchRows, penalized: np.ndarray) -> None:
+        """HF's repetition penalty on the tokens of the prompt or the output (positive logits
+        divided by it, negative ones multiplied), then OpenAI's presence and frequency
+        penalties on the output's."""
         assert self.counts is not None and self.in_prompt is not None
         which = np.nonzero(penalized)[0]
-        p = self.params
+        p, rows = self.params, batch.rows
         sel_rows = rows[which]
         rep, presence, frequency = self._upload("penalties", rows, lambda: np.stack(
-            [p["repetition_penalty"][sel_rows], p["presence_penalty"][sel_rows],
-             p["frequency_penalty"][sel_rows]]), torch.float32).unsqueeze(2)
+            [p.repetition_penalty[sel_rows], p.presence_penalty[sel_rows],
+             p.frequency_penalty[sel_rows]]), torch.float32).unsqueeze(2)
         which_t, row_t = self._upload("penalized rows", rows,
                                       lambda: np.stack([which, sel_rows]), torch.int64)
-        lens = seq_lens[which]
+        lens = batch.seq_lens[which]
         if 2 * int(lens.max()) < self.vocab_size:
             # Only the tokens a row has seen change: its token pool row holds them all (the
             # prompt came on admission). Repeated ids write the same value, so scatter is exact.
-            last = next_positions[which_t].unsqueeze(1) - 1  # each row's last position
+            last = batch.next_positions[which_t].unsqueeze(1) - 1  # each row's last position
             positions = torch.arange(int(lens.max()), device=logits.device).unsqueeze(0)
             ids = self.token_pool[row_t.unsqueeze(1), positions.minimum(last)].long()
             counts = self.counts[row_t.unsqueeze(1), ids]
@@ -520,15 +563,20 @@ class LogitControls:
         counts = self.counts[row_t]
         seen = (counts > 0) | self.in_prompt[row_t]
         sub = logits[which_t].float()
-        # HF's repetition penalty: positive logits divided by it, negative ones multiplied.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - frequency * counts - presence * (counts > 0)
         logits[which_t] = sub.to(logits.dtype)
 
-    def _ban(self, logits: torch.Tensor, rows_t: torch.Tensor,
-             next_positions: torch.Tensor) -> None:
+    def _bias(self, logits: torch.Tensor, batch: BatchRows, _: np.ndarray) -> None:
+        """Each bias entry added to its token's logit (a row's padding entries add 0.0)."""
+        assert self.bias_ids is not None and self.bias_values is not None
+        logits.scatter_add_(1, self.bias_ids[batch.rows_t],
+                            self.bias_values[batch.rows_t].to(logits.dtype))
+
+    def _ban(self, logits: torch.Tensor, batch: BatchRows, _: np.ndarray) -> None:
         """Mask every sequence's last token where the tokens before it end the row so far."""
         assert self.ban_tokens is not None
+        rows_t, next_positions = batch.rows_t, batch.next_positions
         table = self.ban_tokens[rows_t]  # [bs, sequences, length]
         length = table.shape[2]
         last = table[:, :, -1]
@@ -543,14 +591,12 @@ class LogitControls:
         penalty = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
         logits.scatter_add_(1, last.clamp(min=0), penalty)
 
-    def _min_p(self, logits: torch.Tensor, rows: np.ndarray, which_mask: np.ndarray) -> None:
+    def _min_p(self, logits: torch.Tensor, batch: BatchRows, which_mask: np.ndarray) -> None:
         """Drop tokens whose probability at the row's temperature is below min_p times the
         top one's: logit < max + temperature * log(min_p)."""
-        which = np.nonzero(which_mask)[0]
-        sel_rows = rows[which]
-        p = self.params
-        offset_t = self._upload("min_p", rows, lambda: min_p_offset(
-            p["temperature"][sel_rows], p["min_p"][sel_rows]), torch.float32).unsqueeze(1)
+        which, rows = np.nonzero(which_mask)[0], batch.rows
+        offset_t = self._upload("min_p", rows, lambda: self._min_p_offsets(rows[which]),
+                                torch.float32).unsqueeze(1)
         if len(which) == len(rows):
             floor = logits.amax(dim=-1, keepdim=True).float() + offset_t
             logits.masked_fill_(logits < floor, float("-inf"))
@@ -560,18 +606,23 @@ class LogitControls:
         floor = sub.amax(dim=-1, keepdim=True).float() + offset_t
         logits[idx] = sub.masked_fill(sub < floor, float("-inf"))
 
+    def _min_p_offsets(self, rows: np.ndarray) -> np.ndarray:
+        """How far below a row's largest logit min_p drops tokens: a token's probability at
+        the row's temperature is below min_p times the top one's where logit < max + this."""
+        return self.params.temperature[rows] * np.log(self.params.min_p[rows])
+
     def record(self, rows: np.ndarray, rows_t: torch.Tensor, tokens: torch.Tensor,
                seq_lens: np.ndarray) -> None:
         """Count the sampled tokens of penalized rows that are past their prompt (a prompt
         chunk's sample is not an output token)."""
-        counted = self.penalized[rows] & (seq_lens >= self.prompt_len[rows])
+        counted = self.params.uses_penalties[rows] & (seq_lens >= self.prompt_len[rows])
         if not counted.any():
             return
         assert self.counts is not None and self._flat_counts is not None
         if counted.all():
             # Two calls: the rows' offsets in the flat counts and the ones to add are kept
             # per batch (index_put_ with accumulate sorts its indices: ten times the host time).
-            offsets, ones = self._uploads.get("count rows", rows, lambda: (
+            offsets, ones = self._per_batch("count rows", rows, lambda: (
                 host_to_device(rows * self.vocab_size, self.device),
                 host_to_device(np.ones(len(rows), dtype=np.int32), self.device)))
             self._flat_counts.scatter_add_(0, offsets + tokens, ones)
@@ -579,18 +630,6 @@ class LogitControls:
         which = self._upload("counted rows", np.concatenate([rows, counted]),
                              lambda: np.nonzero(counted)[0])
         self.counts[rows_t[which], tokens[which].long()] += 1
-
-
-def min_p_offset(temperature: np.ndarray, min_p: np.ndarray) -> np.ndarray:
-    """How far below a row's largest logit min_p drops tokens: a token's probability at the
-    row's temperature is below min_p times the top one's where logit < max + this."""
-    return temperature * np.log(min_p)
-
-
-def _kernels_edit(logits: torch.Tensor) -> bool:
-    """The project's Triton kernels edit these logits (a GPU; unit stride along the
-    vocabulary), not the torch path."""
-    return use_triton_kernels(logits) and logits.stride(1) == 1
 
 
 def _pow2(n: int) -> int:
@@ -605,3 +644,21 @@ def _widen(old: torch.Tensor | None, shape: tuple[int, ...], fill: int,
     if old is not None:
         new[tuple(slice(0, n) for n in old.shape)] = old
     return new
+
+
+@dataclass(frozen=True)
+class LogitEdit:
+    """One edit of a step's logits, defined once: the rows that use it (a host flag per table
+    row) and its torch reference; its Triton side is its flag in the edit kernel, which applies
+    a row's edits in one pass (`kernels.logit_edits.EDIT_FLAGS`, in this table's order)."""
+
+    uses: Callable[[LogitControls], np.ndarray]
+    torch_ref: Callable[[LogitControls, torch.Tensor, BatchRows, np.ndarray], None]
+
+
+# The edits in the order they apply (`SamplingParams`' docstring): penalties, logit bias, bad
+# words, then min_p (its floor: the largest edited logit plus the row's offset).
+EDITS = (LogitEdit(lambda c: c.params.uses_penalties, LogitControls._penalize),
+         LogitEdit(lambda c: c.biased, LogitControls._bias),
+         LogitEdit(lambda c: c.banned, LogitControls._ban),
+         LogitEdit(lambda c: c.params.uses_min_p, LogitControls._min_p))

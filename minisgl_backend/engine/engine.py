@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,34 +21,17 @@ from minisgl_backend.core import MAX_LOGPROBS, Batch, Context, set_global_ctx
 from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.distributed import get_tp_info, init_process_group
 from minisgl_backend.engine.config import CPU_KV_MEMORY_FRACTION, EngineConfig, resolve_dtype
-from minisgl_backend.engine.controls import (
-    LogitControls,
-    LogprobReport,
-    PendingLogprobs,
-    PerBatch,
-    RawLogprobs,
-    RowParams,
-)
+from minisgl_backend.engine.controls import BatchRows, LogitControls, LogprobReport, StepLogits
 from minisgl_backend.engine.cuda_graph import CudaGraphRunner
 from minisgl_backend.engine.device_wait import HostWordWait
 from minisgl_backend.engine.mask_buffer import MASKS_RELEASED, MaskBuffer
 from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepReply, ranges
-from minisgl_backend.engine.sampler import (
-    SamplingTensors,
-    greedy,
-    sample,
-    samples_in_kernel,
-    seeded_uniform_host,
-)
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
-
-if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
-    from kernels.sampling import MinPFloor
 
 logger = logging.getLogger(__name__)
 
@@ -75,34 +57,9 @@ class StartedStep:
     sampling (`Engine.start` -> `Engine.finish`)."""
 
     msg: StepMessage
-    rows: np.ndarray  # the table row of each entry of the batch (each sample), on cpu
     batch: Batch
-    logits: torch.Tensor  # [entries, vocab], as sampling reads them
-    # The forward's logits, unedited: `logits` itself, or the raw values the controls' edited
-    # copy was made from (the log-probabilities are taken of them after sampling).
-    raw_logits: torch.Tensor
-    next_positions: torch.Tensor  # position of the token each entry samples (device)
-    seq_lens: np.ndarray  # the same on cpu: the row's length once the token is appended
-    edited: bool  # some row's logits are edited by a control (`LogitControls.apply`)
-    min_p: MinPFloor | None = None  # min_p's floor, left to sampling by the edit kernels
-    raw_logprobs: RawLogprobs | None = None  # `LogitControls.raw_logprobs`
-    # Log-probabilities taken after sampling, from `raw_logits` (on a GPU begun before it).
-    sampled_logprobs: bool = False
-    pending_logprobs: PendingLogprobs | None = None  # `LogitControls.begin_logprobs`
+    logits: StepLogits  # through the controls up to the grammar masks
     logits_report: LogitsReport | None = None
-
-
-@dataclass
-class _BatchSampling:
-    """A batch's sampling parameters on the device (`Engine._keep_batch_sampling`)."""
-
-    top_k: torch.Tensor  # [bs] int64
-    seed: torch.Tensor  # [bs] int64
-    temperature: torch.Tensor  # [bs] float64
-    top_p: torch.Tensor  # [bs] float64
-    seeds: np.ndarray  # [bs] int64 on the host: the torch path draws from them each step
-    all_greedy: bool
-    any_filtered: bool  # some row not greedy uses top-k / top-p
 
 
 @dataclass
@@ -245,17 +202,8 @@ class Engine:
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
         self.row_long = np.zeros(num_rows, dtype=bool)  # KV in LongRoPE's long frequencies
-        # Sampling parameters per row, on the host: a batch's values are uploaded once until the
-        # next admission (`_keep_batch_sampling`).
-        self.row_params = RowParams(num_rows)
-        self._batch_sampling = PerBatch(limit=64)
-        self.controls = LogitControls(self.row_params, num_rows, self.model_config.vocab_size,
-                                      self.token_pool)
-        self.row_greedy = np.ones(num_rows, dtype=bool)
-        self.row_filtered = np.zeros(num_rows, dtype=bool)  # top-k / top-p set (host copy)
-        # min_tokens: stop ids of a row are masked while it samples positions below row_min_len.
-        self.row_min_len = np.zeros(num_rows, dtype=np.int64)
-        self.row_stop_ids: dict[int, torch.Tensor] = {}
+        # Every row's sampling settings and the logits controls' state.
+        self.controls = LogitControls(num_rows, self.model_config.vocab_size, self.token_pool)
         self.num_launched = 0
         if self.device.type == "cuda":
             self._host_buffers = [_HostBuffers.allocate(num_rows * self.config.samples_per_row)
@@ -301,8 +249,6 @@ class Engine:
         rows = np.asarray(msg.rows, dtype=np.int64)
         if len(msg.admit_rows):
             self._admit(msg)
-        if len(msg.min_rows):
-            self._set_min_lens(msg)
         if len(msg.long_rope_rows):
             self._start_long_rope(msg)
         new_pages = self._map_new_pages(np.asarray(msg.page_rows, dtype=np.int64),
@@ -323,29 +269,11 @@ class Engine:
         next_positions = batch.seq_lens_device
         if next_positions is None:
             next_positions = host_to_device(batch.seq_lens, self.device, torch.int64)
-        step = StartedStep(msg, rows, batch, logits, logits, next_positions,
-                           np.asarray(batch.seq_lens, dtype=np.int64),
-                           edited=bool(self.controls.edited[rows].any()))  # one check
-        reported = self.reports and bool(self.controls.reported[rows].any())
-        if reported or (self.reports and batch.token_logits is not None):
-            step.logits_report = self._logits_report(logits, rows, msg, batch)
-        early_stops = np.nonzero(self.row_min_len[rows] > step.seq_lens)[0]
-        if reported:
-            # The log-probabilities wait until after sampling (`finish`, where the kernels also
-            # fill the sampled tokens' column), read from the raw logits: the controls then
-            # edit a copy. Masks alone (grammars, min_tokens) edit in place, after the raw
-            # statistics are taken.
-            step.sampled_logprobs = step.edited or not (len(msg.guide_rows) or len(early_stops))
-            if not step.sampled_logprobs:
-                step.raw_logprobs = self.controls.raw_logprobs(logits, rows)
-            else:  # on a GPU their first kernel runs beside the edits and sampling
-                step.pending_logprobs = self.controls.begin_logprobs(logits, rows)
-        if step.edited:
-            step.logits, step.min_p = self.controls.apply(
-                logits, rows, batch.rows, next_positions, step.seq_lens, keep_raw=reported,
-                leave_floor=True)
-        self._mask_early_stops(step.logits, rows, early_stops)
-        return step
+        report = self._logits_report(logits, rows, msg, batch) if self.reports else None
+        rows_of = BatchRows(rows, batch.rows, next_positions,
+                            np.asarray(batch.seq_lens, dtype=np.int64))
+        return StartedStep(msg, batch, self.controls.start(
+            logits, rows_of, guided=bool(len(msg.guide_rows)), reports=self.reports), report)
 
     def attach_masks(self, buffer: MaskBuffer) -> None:
         """The scheduler's mask buffer, page-locked on a GPU (its masks are then copied to the
@@ -380,44 +308,33 @@ class Engine:
         """The second half of `launch`: the guided rows' token masks (`step.msg.guide_rows`;
         they must be in the mask buffer by now), sampling, and the copy of the sampled ids to
         the host."""
-        logits, rows, batch = step.logits, step.rows, step.batch
+        batch = step.batch
         if self.timeline is not None:
             self.timeline.sampling()
         if len(step.msg.guide_rows):
             msg, buffer = step.msg, self._mask_buffer
             assert buffer is not None, "guided rows before the mask buffer came"
-            apply_token_masks(logits, np.asarray(msg.guide_rows, dtype=np.int64),
+            apply_token_masks(step.logits.logits, np.asarray(msg.guide_rows, dtype=np.int64),
                               buffer.view(int(msg.mask_half[0]), len(msg.guide_rows)),
                               page_locked=buffer.page_locked)
-        if self.row_greedy[rows].all():
-            sampled = greedy(logits, step.min_p)
-        else:
-            sampled = sample(logits, self._sampling_tensors(logits, rows, step.next_positions,
-                                                            step.seq_lens, step.min_p))
+        sampled = self.controls.sample(step.logits)
         next_tokens = sampled.to(torch.int32)
-        self.token_pool[batch.rows, step.next_positions] = next_tokens
+        self.token_pool[batch.rows, step.logits.batch.next_positions] = next_tokens
         # The controls index with the int64 ids as sampled: no cast back from int32.
-        if step.edited:
-            self.controls.record(rows, batch.rows, sampled, step.seq_lens)
-        report = None
-        if step.raw_logprobs is not None:
-            report = self.controls.report(step.raw_logprobs, rows, sampled)
-        elif step.sampled_logprobs:
-            report = self.controls.sampled_logprobs(step.raw_logits, rows, sampled,
-                                                    step.pending_logprobs)
+        report = self.controls.finish(step.logits, sampled)
         host = None
         if self.device.type == "cuda":
             host = self._host_buffers[self.num_launched % 2]
         self.num_launched += 1
         handle = StepHandle(next_tokens, host, batch, report, step.logits_report)
         if self.timeline is not None:
-            self.timeline.end(batch.phase, len(rows))
+            self.timeline.end(batch.phase, len(sampled))
         return handle
 
     def _logits_report(self, logits: torch.Tensor, rows: np.ndarray, msg: StepMessage,
                        batch: Batch) -> LogitsReport | None:
         """Copies of the logits rows return (before any control edits them), or None."""
-        gen = np.nonzero(self.row_params["return_generation_logits"][rows] > 0)[0]
+        gen = np.nonzero(self.controls.params.return_generation_logits[rows])[0]
         context = batch.token_logits
         if not len(gen) and context is None:
             return None
@@ -436,12 +353,6 @@ class Engine:
         self.row_pages[rows] = 0
         self.row_len[rows] = 0
         self.row_long[rows] = False
-        self.row_params.admit(rows, msg.admit)
-        self._batch_sampling.clear()
-        temps, top_k = self.row_params["temperature"][rows], self.row_params["top_k"][rows]
-        self.row_greedy[rows] = (temps == 0) | (top_k == 1)
-        self.row_filtered[rows] = (top_k > 0) | (self.row_params["top_p"][rows] < 1.0)
-        self.row_min_len[rows] = 0
         self.controls.admit(msg)
 
     def _start_long_rope(self, msg: StepMessage) -> None:
@@ -451,21 +362,6 @@ class Engine:
         self.row_long[rows] = True
         self.row_pages[rows] = 0
         self.controls.count_from(rows, np.asarray(msg.long_rope_lens, dtype=np.int64))
-
-    def _set_min_lens(self, msg: StepMessage) -> None:
-        counts = np.asarray(msg.min_stop_counts, dtype=np.int64)
-        ids = np.split(np.asarray(msg.min_stop_ids, dtype=np.int64), np.cumsum(counts)[:-1])
-        for row, min_len, stop_ids in zip(np.asarray(msg.min_rows).tolist(),
-                                          np.asarray(msg.min_lens).tolist(), ids):
-            self.row_min_len[row] = min_len
-            self.row_stop_ids[row] = host_to_device(stop_ids, self.device)
-
-    def _mask_early_stops(self, logits: torch.Tensor, rows: np.ndarray,
-                          early: np.ndarray) -> None:
-        """Batch entries `early`, still below their rows' min_tokens, cannot sample a stop id
-        (rare: a Python loop)."""
-        for i in early.tolist():
-            logits[i, self.row_stop_ids[int(rows[i])]] = float("-inf")
 
     def _map_new_pages(self, rows: np.ndarray, counts: np.ndarray,
                        pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -556,34 +452,3 @@ class Engine:
             offsets = np.cumsum(lens) - lens
             batch.logit_tokens = host_to_device(ranges(offsets[picked], lens[picked]), dev)
         return batch
-
-    def _sampling_tensors(self, logits: torch.Tensor, rows: np.ndarray, positions: torch.Tensor,
-                          host_positions: np.ndarray, min_p: MinPFloor | None = None
-                          ) -> SamplingTensors:
-        """The samples' parameters on the device. `positions` (device) and `host_positions`
-        are those of the tokens being sampled: only the torch path's draws change per step.
-        `min_p`: the floor the edit kernels left to sampling."""
-        kept = self._batch_sampling.get("sampling", rows, lambda: self._keep_batch_sampling(rows))
-        uniform = None
-        if not samples_in_kernel(logits, kept.any_filtered):  # the torch path's uniform draws
-            uniform = host_to_device(seeded_uniform_host(kept.seeds, host_positions),
-                                     self.device)
-        return SamplingTensors(
-            temperature=kept.temperature, top_k=kept.top_k, top_p=kept.top_p, seed=kept.seed,
-            position=positions, uniform=uniform, all_greedy=kept.all_greedy,
-            any_filtered=kept.any_filtered, min_p=min_p)
-
-    def _keep_batch_sampling(self, rows: np.ndarray) -> _BatchSampling:
-        """The rows' sampling parameters uploaded in one copy, kept until the next admission
-        (a decode batch keeps its rows from step to step, and only admissions change them)."""
-        p = self.row_params
-        greedy = self.row_greedy[rows]
-        seeds = p["seed"][rows]
-        # One int64 copy: the float64 values travel as their bits.
-        top_k, seed, temperature, top_p = stack_to_device(
-            [p["top_k"][rows], seeds, p["temperature"][rows].view(np.int64),
-             p["top_p"][rows].view(np.int64)], self.device)
-        return _BatchSampling(
-            top_k=top_k, seed=seed, temperature=temperature.view(torch.float64),
-            top_p=top_p.view(torch.float64), seeds=seeds, all_greedy=bool(greedy.all()),
-            any_filtered=bool((self.row_filtered[rows] & ~greedy).any()))

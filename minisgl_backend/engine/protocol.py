@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from minisgl_backend.core import ROW_DTYPES
+from minisgl_backend.core import RowSampling
 
 # Message kinds, scheduler -> engine. The engine answers every STEP with its tokens once they
 # are on the host (with overlap on, the scheduler has sent the next STEP by then). MASKS follows
@@ -24,7 +24,7 @@ STEP, SHUTDOWN, MASKS = 1, 2, 4
 # Reply kinds, engine -> scheduler.
 READY, TOKENS, ERROR = 11, 12, 13
 
-_DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "uint8")]
+_DTYPES = [np.dtype(t) for t in ("int32", "int64", "float32", "uint8", "bool")]
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _FIELD_HEADER = struct.Struct("<BBI")  # name length, dtype code, element count
 # A sampled token's log-probability, and its step's most likely ids and theirs (tuples: kept
@@ -96,10 +96,10 @@ class StepMessage:
     page_rows: Values = _array("int32")
     page_counts: Values = _array("int32")
     new_pages: Values = _array("int32")
-    # Admissions (a row starts a new request): the rows, and per admitted row each per-row
-    # control of SamplingParams (`core.ROW_DTYPES`: name -> values), sent as `admit_<name>`.
+    # Admissions (a row starts a new request): the rows, and their per-row controls, sent as
+    # `admit_<name>` arrays.
     admit_rows: Values = _array("int32")
-    admit: dict[str, Values] = field(default_factory=dict)
+    admit: RowSampling | None = None
     # Admitted rows whose whole prompt the engine needs (repetition penalty, bad-word prefixes
     # that may reach into a cached prefix): row, prompt length, the flat prompt tokens.
     prompt_rows: Values = _array("int32")
@@ -149,8 +149,8 @@ class StepMessage:
             values = getattr(self, f.name)
             if len(values) or f.name in _ALWAYS_SENT:
                 arrays[f.name] = np.asarray(values, dtype=f.metadata["dtype"])
-        for name, values in self.admit.items():
-            arrays[_ADMIT_PREFIX + name] = np.asarray(values, dtype=ROW_DTYPES[name])
+        if self.admit is not None:
+            arrays.update(self.admit.to_arrays(_ADMIT_PREFIX))
         return encode(STEP, arrays)
 
     @classmethod
@@ -169,8 +169,8 @@ class StepMessage:
         msg.masks_follow = "masks_follow" in arrays
         for name, empty in _EMPTY_FIELDS.items():
             setattr(msg, name, arrays.get(name, empty))
-        msg.admit = {name: arrays[_ADMIT_PREFIX + name] for name in ROW_DTYPES
-                     if _ADMIT_PREFIX + name in arrays}
+        msg.admit = (RowSampling.from_arrays(arrays, _ADMIT_PREFIX) if "admit_rows" in arrays
+                     else None)
         return msg
 
 

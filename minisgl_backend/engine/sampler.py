@@ -8,13 +8,15 @@ tensor-parallel rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from minisgl_backend.core import RowSampling
+from minisgl_backend.device_copy import host_to_device, stack_to_device
 from minisgl_backend.layers.fast_ops import use_triton_kernels
 
 if TYPE_CHECKING:  # Triton's kernels are imported where a GPU runs them
@@ -24,57 +26,66 @@ _MASK32 = 0xFFFFFFFF
 _UINT64_MASK = (1 << 64) - 1
 
 
+def uses_kernels(logits: torch.Tensor) -> bool:
+    """The one choice between the Triton kernels (`kernels/`) and the torch references for a
+    step's logits: the kernels where they run compiled (a GPU), on logits with unit stride
+    along the vocabulary."""
+    return use_triton_kernels(logits) and logits.stride(1) == 1
+
+
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters of a batch, already on the logits' device."""
+    """A batch's sampling parameters on the device (`of`, made once per batch), and one step's
+    positions (`at`). The rows' rules come decided (`core.RowSampling`)."""
 
-    temperature: torch.Tensor  # [bs] float32 or float64; 0 means greedy for that row
-    top_k: torch.Tensor  # [bs] int64; <= 0 or >= vocab means disabled
-    top_p: torch.Tensor  # [bs] float32 or float64 in (0, 1]
+    temperature: torch.Tensor  # [bs] float64; 0: a greedy row
+    top_k: torch.Tensor  # [bs] int64; <= 0 or >= vocab: off
+    top_p: torch.Tensor  # [bs] float64 in (0, 1]
     seed: torch.Tensor  # [bs] int64 (a 64-bit unsigned seed stored as its int64 bit pattern)
-    position: torch.Tensor  # [bs] int64: index in its sequence of the token being sampled
+    filtered: torch.Tensor  # [bs] bool: top-k / top-p removes tokens of the row
+    host_seeds: np.ndarray  # [bs] int64: the torch path draws its uniforms on the host
     all_greedy: bool  # fast path: every row greedy -> pure argmax, no randomness
-    any_filtered: bool = True  # some row may use top-k / top-p (False skips the vocab sort)
-    # seeded_uniform(seed, position), when computed on the host (`seeded_uniform_host`): one
-    # upload instead of ~40 small kernels per step on the torch path (the kernels of
-    # `samples_in_kernel` compute it themselves).
+    any_filtered: bool  # some row takes the sorted path (False skips the vocab sort)
+    position: torch.Tensor | None = None  # [bs] int64: the sampled token's index in its row
+    # seeded_uniform(seed, position), computed on the host for the torch path: one upload
+    # instead of ~40 small kernels per step (the kernels compute it themselves).
     uniform: torch.Tensor | None = None  # [bs] float64
     # min_p's floor, left by the edit kernels (`LogitControls.apply`): applied by `sample`.
     min_p: MinPFloor | None = None
+
+    @classmethod
+    def of(cls, params: RowSampling, rows: np.ndarray,
+           device: torch.device | str) -> SamplingTensors:
+        """Table rows `rows` of `params` (host arrays, floats in float64) in one upload: the
+        float64 values travel as their bits."""
+        seeds, filtered = params.seed[rows], params.filtered[rows]
+        top_k, seed, temperature, top_p, filtered_t = stack_to_device(
+            [params.top_k[rows], seeds, params.temperature[rows].view(np.int64),
+             params.top_p[rows].view(np.int64), filtered], torch.device(device))
+        return cls(temperature.view(torch.float64), top_k, top_p.view(torch.float64), seed,
+                   filtered_t.bool(), seeds, bool(params.greedy[rows].all()),
+                   bool(filtered.any()))
+
+    def at(self, logits: torch.Tensor, position: torch.Tensor, host_position: np.ndarray,
+           min_p: MinPFloor | None = None) -> SamplingTensors:
+        """These parameters for one step of `logits`: the sampled tokens' positions (on the
+        device and on the host) and min_p's floor where the edit kernels left it."""
+        uniform = None
+        if not self.in_kernel(logits):
+            uniform = host_to_device(seeded_uniform_host(self.host_seeds, host_position),
+                                     logits.device)
+        return dataclasses.replace(self, position=position, uniform=uniform, min_p=min_p)
+
+    def in_kernel(self, logits: torch.Tensor) -> bool:
+        """`sample` takes the Triton kernels (`kernels.sampling`), which draw each row's
+        uniform number themselves: without top-k / top-p rows (the sorted path is torch's)."""
+        return not self.any_filtered and uses_kernels(logits)
 
 
 def seed_to_int64(seed: int) -> int:
     """Return the int64 bit pattern of a 64-bit unsigned seed (taken mod 2**64)."""
     seed &= _UINT64_MASK
     return seed - (1 << 64) if seed >= (1 << 63) else seed
-
-
-def make_sampling_tensors(
-    temperatures: Sequence[float],
-    top_ks: Sequence[int],
-    top_ps: Sequence[float],
-    seeds: Sequence[int],
-    positions: Sequence[int],
-    device: torch.device | str,
-) -> SamplingTensors:
-    """Build a `SamplingTensors` from per-request Python values.
-
-    Seeds are 64-bit unsigned integers; they are stored as their int64 bit pattern.
-    """
-    n = len(temperatures)
-    if not (len(top_ks) == len(top_ps) == len(seeds) == len(positions) == n):
-        raise ValueError("all sampling parameter lists must have the same length")
-    all_greedy = all(t <= 0.0 or k == 1 for t, k in zip(temperatures, top_ks))
-    any_filtered = any(k > 0 or p < 1.0 for k, p in zip(top_ks, top_ps))
-    return SamplingTensors(
-        temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
-        top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-        seed=torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
-        position=torch.tensor(positions, dtype=torch.int64, device=device),
-        all_greedy=all_greedy,
-        any_filtered=any_filtered,
-    )
 
 
 # The hash below runs unchanged on int64 torch tensors and int64 numpy arrays (same operators,
@@ -124,17 +135,6 @@ def _hash32(seed: IntArray, position: IntArray) -> IntArray:
     return _mix32(h ^ ((position >> 32) & _MASK32))
 
 
-def _greedy_rows(params: SamplingTensors) -> torch.Tensor:
-    return (params.temperature <= 0) | (params.top_k == 1)
-
-
-def _filtered_rows(params: SamplingTensors, vocab: int) -> torch.Tensor:
-    """Rows whose top-k or top-p actually removes tokens (a property of the request alone, so a
-    request is sampled the same way whatever its batch)."""
-    top_k = params.top_k
-    return ((top_k > 0) & (top_k < vocab)) | (params.top_p < 1.0)
-
-
 def _sample_unsorted(scaled_logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse CDF in token-id order: exact sampling without sorting the vocabulary."""
     probs = torch.softmax(scaled_logits, dim=-1)
@@ -178,26 +178,27 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """Sample one token id per row of `logits` [bs, vocab] (any float dtype, computed in
     float32); returns [bs] int64.
 
-    Greedy rows (temperature == 0 or top_k == 1) get exactly `torch.argmax`. Other rows sample
-    from softmax(logits / temperature) restricted to the top-k logits, then to the top-p
-    nucleus of the renormalized distribution, using `seeded_uniform(seed, position)`; rows
-    without top-k / top-p need no sort (inverse CDF in token-id order). On a GPU, batches
-    without top-k / top-p go through one Triton kernel (`kernels.sampling`) instead.
+    Greedy rows (temperature 0) get exactly `torch.argmax`. Other rows sample from
+    softmax(logits / temperature) restricted to the top-k logits, then to the top-p nucleus of
+    the renormalized distribution, using `seeded_uniform(seed, position)`; rows without top-k
+    / top-p need no sort (inverse CDF in token-id order). On a GPU, batches without top-k /
+    top-p go through the Triton kernels (`kernels.sampling`) instead.
     """
     if params.all_greedy:
         return greedy(logits, params.min_p)
-    if samples_in_kernel(logits, params.any_filtered):
+    if params.in_kernel(logits):
         from kernels.sampling import sample_from_logits
 
         if params.uniform is not None:
-            return sample_from_logits(logits, params.temperature, params.top_k, params.uniform,
+            return sample_from_logits(logits, params.temperature, params.uniform,
                                       min_p=params.min_p)
-        return sample_from_logits(logits, params.temperature, params.top_k, seed=params.seed,
+        return sample_from_logits(logits, params.temperature, seed=params.seed,
                                   position=params.position, min_p=params.min_p)
     _apply_floor(logits, params.min_p)
     device = logits.device
     uniform = params.uniform
     if uniform is None:
+        assert params.position is not None
         uniform = seeded_uniform(params.seed.to(device), params.position.to(device))
     return sample_with_torch(logits.float(), params, uniform.to(device))
 
@@ -216,20 +217,14 @@ def _apply_floor(logits: torch.Tensor, min_p: MinPFloor | None) -> None:
         apply_min_p_floor(logits, min_p)
 
 
-def samples_in_kernel(logits: torch.Tensor, any_filtered: bool) -> bool:
-    """`sample` takes the Triton kernels (`kernels.sampling`), which draw each row's uniform
-    number themselves, rather than the torch path: on a GPU, without top-k / top-p rows."""
-    return not any_filtered and use_triton_kernels(logits)
-
-
 def sample_with_torch(logits: torch.Tensor, params: SamplingTensors,
                       uniform: torch.Tensor) -> torch.Tensor:
     """`sample`'s torch path (every device; the reference): float32 `logits`, the rows'
     seeded uniforms on their device."""
     device = logits.device
     greedy_ids = torch.argmax(logits, dim=-1)
-    greedy = _greedy_rows(params).to(device)
     temperature = params.temperature.to(device=device, dtype=torch.float32)
+    greedy = temperature <= 0
     temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temperature.unsqueeze(1)
     sampled_ids = _sample_unsorted(scaled, uniform)
@@ -238,6 +233,5 @@ def sample_with_torch(logits: torch.Tensor, params: SamplingTensors,
         sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
         rank = _sample_sorted(sorted_logits, params, uniform)
         filtered_ids = torch.gather(sorted_ids, 1, rank).squeeze(1)
-        filtered = _filtered_rows(params, logits.shape[1]).to(device)
-        sampled_ids = torch.where(filtered, filtered_ids, sampled_ids)
+        sampled_ids = torch.where(params.filtered.to(device), filtered_ids, sampled_ids)
     return torch.where(greedy, greedy_ids, sampled_ids)

@@ -25,7 +25,9 @@ import numpy as np
 
 from minisgl_backend.core import (
     Req,
+    RowSampling,
     SamplingParams,
+    bad_word_sequences,
     check_token_ids,
     sample_seed,
     wants_context_logits,
@@ -255,15 +257,10 @@ class Scheduler:
     def _banned_sequences(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """`bad_token_ids` and every `bad_words` string tokenized as it is and with a leading
         space (how a word usually appears mid-text), without duplicates."""
-        seqs = list(params.bad_token_ids)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer in the model folder")
-        for word in params.bad_words:
-            for text in dict.fromkeys([word, word if word.startswith(" ") else " " + word]):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids:
-                    seqs.append(tuple(ids))
-        return tuple(dict.fromkeys(seqs))
+        words = bad_word_sequences(self.tokenizer, params.bad_words, spaced=True)
+        return tuple(dict.fromkeys([*params.bad_token_ids, *words]))
 
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams,
                          bans: tuple[tuple[int, ...], ...]) -> None:
@@ -617,7 +614,7 @@ class Scheduler:
     def _admission(self, msg: StepMessage, req: Req) -> None:
         stop_ids = (sorted(self.trackers[req.uid].stop_ids)
                     if req.sampling_params.min_tokens > 0 else [])
-        add_admission(msg, req, stop_ids)
+        add_admission(msg, req, stop_ids, self.vocab_size)
 
     def _guided_tokens(self, sent: _SentStep, reply: StepReply
                        ) -> list[tuple[OutputTracker, int]]:
@@ -695,14 +692,16 @@ class Scheduler:
 __all__ = ["RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerStats", "pages_for"]
 
 
-def add_admission(msg: StepMessage, req: Req, stop_ids: list[int]) -> None:
-    """What the engine needs of a newly admitted request: its per-row controls, LongRoPE's
-    long frequencies where its prompt takes them, and its prompt, bias entries, bad-word
-    sequences and min_tokens' stop ids (`stop_ids`, sorted) where it uses them."""
+def add_admission(msg: StepMessage, req: Req, stop_ids: list[int], vocab_size: int) -> None:
+    """What the engine needs of a newly admitted request: its per-row controls (decided for a
+    `vocab_size` vocabulary), LongRoPE's long frequencies where its prompt takes them, and its
+    prompt, bias entries, bad-word sequences and min_tokens' stop ids (`stop_ids`, sorted)
+    where it uses them."""
     p, row = req.sampling_params, req.table_idx
     msg.admit_rows.append(row)
-    for name, value in p.row_values(seed_to_int64(req.seed)).items():
-        msg.admit.setdefault(name, []).append(value)
+    if msg.admit is None:
+        msg.admit = RowSampling.of((), vocab_size)
+    msg.admit.append(p, seed_to_int64(req.seed), vocab_size)
     if req.long_rope:  # a prompt past LongRoPE's pretraining length
         msg.long_rope_rows.append(row)
         msg.long_rope_lens.append(req.prompt_len)

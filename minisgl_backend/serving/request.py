@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minisgl_backend.core import SamplingParams, check_token_ids
+from minisgl_backend.core import SamplingParams, bad_word_sequences, check_token_ids
 from minisgl_backend.fields import spec_field, validate
 from minisgl_backend.serving.interface import (
     TRITON_REQUEST_PARAMETERS,
@@ -346,10 +346,9 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
                            f"{len(bias_words)} words")
     if (bad or bias_words) and tokenizer is None:
         raise RequestError("bad_words and embedding_bias_words need the model's tokenizer")
-    sequences = [ids for ids in (tokenizer.encode(w, add_special_tokens=False) for w in bad)
-                 if ids]
+    sequences = bad_word_sequences(tokenizer, bad, spaced=False)
     if sequences:
-        values["bad_token_ids"] = [list(ids) for ids in sequences]
+        values["bad_token_ids"] = sequences
         given_as["bad_token_ids"] = "bad_words"
     bias: dict[int, float] = {}
     for word, weight in zip(bias_words, bias_weights):
