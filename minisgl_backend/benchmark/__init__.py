@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmark scripts in `scripts/bench_*.py`.
+"""The benchmark tool: `python -m minisgl_backend.benchmark SUBCOMMAND` (docs/benchmarks.md).
 
-`shapes` (config.json of real and tiny model shapes), `workloads` (request sets), `hardware`
-(copy bandwidth and the weight-read roofline), `timing` (per-request first-token and finish
-times through the scheduler), `cli` (options and the Markdown table every script ends with).
+One module per subcommand (offline, decode, serving, controls, structured, speculative,
+kernels, scheduler, suite, pack); `cli` holds what they share, `shapes`, `tokenizer` and
+`workloads` the models and requests they run, `hardware` the bandwidth roofline.
 """

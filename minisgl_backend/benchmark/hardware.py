@@ -84,16 +84,15 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> W
     return WeightBytes(total, embedding, experts, config.num_experts, config.num_experts_per_tok)
 
 
-def roofline_tokens_per_s(bandwidth: float, weights: WeightBytes) -> float:
-    """Batch-1 decode tokens/s if a step took exactly its weight-read time."""
-    return bandwidth / weights.per_decode_step(1)
-
-
 @dataclass(frozen=True)
 class Roofline:
     bandwidth: float  # bytes/s, measured
     weights: WeightBytes
-    tokens_per_s: float  # batch-1 decode at the weight-read floor
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Batch-1 decode tokens/s if a step took exactly its weight-read time."""
+        return self.bandwidth / self.weights.per_decode_step(1)
 
 
 def measure_roofline(config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -101,9 +100,8 @@ def measure_roofline(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     """The batch-1 roofline of `config` on `device`: its copy bandwidth (a `copy_mib` probe,
     default 1 GiB on GPU and 64 MiB on CPU, whose memory is given back) over the weight bytes
     a step reads."""
-    weights = weight_bytes(config, dtype, tp_size)
     bandwidth = measure_copy_bandwidth(
         device, (copy_mib or (1024 if device.type == "cuda" else 64)) << 20)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the probe's memory back before an engine sizes KV
-    return Roofline(bandwidth, weights, roofline_tokens_per_s(bandwidth, weights))
+    return Roofline(bandwidth, weight_bytes(config, dtype, tp_size))

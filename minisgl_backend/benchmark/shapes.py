@@ -62,7 +62,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 # The tokenizer of each shape's benchmark model folder (`minisgl_backend.benchmark.tokenizer`):
-# a committed one in benchmark/tokenizers/<name>/; shapes not named get a word-level tokenizer
+# a committed one in this package's tokenizers/<name>/; shapes not named get a word-level tokenizer
 # over their vocabulary (tiny-llama too: its 512 ids are not Llama 3's).
 SHAPE_TOKENIZERS: dict[str, str] = {"llama-3.1-8b": "llama-3"}
 

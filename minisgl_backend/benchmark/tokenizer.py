@@ -5,7 +5,7 @@ incrementally (as the Triton model does when it streams text), so a benchmark fo
 tokenizer measures that work too. A shape gets the tokenizer `SHAPE_TOKENIZERS` names, else:
 
 * "llama-3": Meta's Llama 3 tokenizer (byte-level BPE, 128,256 ids), committed compressed in
-  benchmark/tokenizers/llama-3/ (see the README there for its origin and license);
+  tokenizers/llama-3/ next to this module (see the README there for its origin and license);
 * "word-level": built here for any vocabulary size: id i is the word "w{i}" (HF `tokenizers`
   WordLevel model, split on whitespace), so that every id of the shape decodes.
 """
@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from minisgl_backend.benchmark.shapes import SHAPE_TOKENIZERS
 
-TOKENIZERS_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "tokenizers"
+TOKENIZERS_DIR = Path(__file__).resolve().parent / "tokenizers"
 WORD_LEVEL = "word-level"
 # tokenizer_config.json of each committed tokenizer (the special tokens of Meta's base model).
 # No clean-up of spaces: it would cut the spaces before punctuation of a byte-level BPE's text.
@@ -41,10 +41,10 @@ def word_level_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def committed_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer committed as benchmark/tokenizers/<name>/tokenizer.json.xz."""
+    """The tokenizer committed as tokenizers/<name>/tokenizer.json.xz."""
     path = TOKENIZERS_DIR / name / "tokenizer.json.xz"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such tokenizer (benchmarks run from the repository)")
+        raise FileNotFoundError(f"{path}: no such tokenizer")
     return Tokenizer.from_str(lzma.decompress(path.read_bytes()).decode())
 
 
