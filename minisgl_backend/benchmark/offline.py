@@ -179,22 +179,21 @@ def run(args: argparse.Namespace) -> None:
         with cli.model_folder(args, tokenizer=detokenize) as (folder, config):
             vocab = config["vocab_size"]
             workload = make_workload(args, folder, vocab)
+            if args.compare_hf and (len({p.max_tokens for p in workload.params}) != 1 or any(
+                    p.temperature > 0 for p in workload.params)):
+                raise SystemExit("--compare-hf needs greedy requests of one length "
+                                 "(--workload chat)")
+            on = "on" if detokenize else "off"
             for label, overrides in cli.variants(args):
                 seconds, outputs, pauses = timed_generate(args, folder, workload, vocab,
                                                           overrides)
-                print(f"{label}, detokenize {'on' if detokenize else 'off'}: {seconds:.3f} s",
-                      flush=True)
-                notes.append(f"garbage collector, {label}, detokenize "
-                             f"{'on' if detokenize else 'off'} (this process, in the timed "
-                             f"call): {pauses}")
+                print(f"{label}, detokenize {on}: {seconds:.3f} s", flush=True)
+                notes.append(f"garbage collector, {label}, detokenize {on} (this process, in the "
+                             f"timed call): {pauses}")
                 hits = sum(o.cached_tokens for o in outputs) / workload.input_tokens
-                results.append((label, "on" if detokenize else "off", seconds,
-                                [o.token_ids for o in outputs], f"{hits:.1%}"))
+                results.append((label, on, seconds, [o.token_ids for o in outputs],
+                                f"{hits:.1%}"))
             if args.compare_hf:
-                if len({p.max_tokens for p in workload.params}) != 1 or any(
-                        p.temperature > 0 for p in workload.params):
-                    raise SystemExit("--compare-hf needs greedy requests of one length "
-                                     "(--workload chat)")
                 results += [(name, "-", s, tokens, "-")
                             for name, s, tokens in hf_runs(args, folder, config, workload)]
     first = results[0]

@@ -1,18 +1,13 @@
 """The scheduler's own host time per step, with an engine stand-in that answers at once.
 
-On a GPU the scheduler's work per step sits between two engine steps: with overlap, the engine
-launches step N+2 once the scheduler has taken step N's tokens and sent N+2, so a turnaround
-longer than a decode step leaves the device waiting. This runs the anchor workload (any size of
-it) through the real `Scheduler` with `InstantEngine` in place of the engine processes, per
-page size, overlap on and off, and outputs streamed (one per token) or whole (one per request,
-as `LLM.generate` takes them): all the time is the scheduler's (plus the stand-in's message
-decoding, a few microseconds a step).
-
-`--guided-batch B` times a guided decode step's host work instead: B requests through Llama 3's
-tokenizer, `--max-tokens` each, unguided and under `structured`'s JSON schema, with text
-detokenized; a guided row's token is a random one its mask allows (the stand-in's time for that
-is taken out). Per decode step: the run's time less that of a run of 1 token each, over the
-steps between.
+With overlap, the engine launches step N+2 once the scheduler has taken step N's tokens and sent
+N+2: a turnaround longer than a decode step leaves the device waiting. This runs the anchor
+workload (any size of it) through the real `Scheduler` with `InstantEngine` for the engine
+processes, per page size, overlap on and off, outputs streamed (per token) or whole (per request,
+as `LLM.generate` takes them). `--guided-batch B` times a guided decode step instead: B requests
+through Llama 3's tokenizer, unguided and under `structured`'s JSON schema, a guided row's token a
+random one its mask allows (the stand-in's time for that taken out); per step: the run's time
+less a 1-token run's, over the steps between.
 """
 
 from __future__ import annotations

@@ -53,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--url", help="a running server's gRPC HOST:PORT (no offline rows)")
-    parser.add_argument("--server-timeout", type=float, default=900.0,
-                        help="seconds for tritonserver to become ready")
-    parser.add_argument("--keep-dir", type=Path, help="keep the model repository, perf_analyzer "
-                        "data, profile exports and logs in this folder")
 
 
 @dataclass
@@ -202,7 +198,6 @@ def server_runs(args: argparse.Namespace, folder: Path, workload: Workload, warm
     server = None
     if args.url is None:
         repository = work / "model_repository"
-        shutil.rmtree(repository, ignore_errors=True)  # a --keep-dir of an earlier run
         shutil.copytree(REPO_ROOT / "model_repository" / MODEL, repository / MODEL,
                         ignore=shutil.ignore_patterns("__pycache__"))
         config = repository / MODEL / "config.pbtxt"
@@ -213,7 +208,7 @@ def server_runs(args: argparse.Namespace, folder: Path, workload: Workload, warm
     runs = {}
     try:
         if server is not None:
-            server.wait_ready(args.server_timeout)
+            server.wait_ready(900.0)
         perf_analyzer(url, env, warmup_data, len(warmup), len(warmup), work, "warmup")
         for c in args.concurrency:
             for attempt in range(2):  # perf_analyzer has (rarely) exited 0, its export empty
@@ -248,8 +243,7 @@ def run(args: argparse.Namespace) -> None:
     args.concurrency = list(dict.fromkeys(args.concurrency))
     with cli.model_folder(args, tokenizer=False) as (folder, config), \
             tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        work = args.keep_dir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+        work = Path(tmp)
         workload = make_workload(args, folder, config["vocab_size"])
         warmup = fixed_workload(config["vocab_size"], 8, 32, 8, seed=args.seed + 1)
         offline = {} if args.url else offline_runs(args, folder, workload, warmup)

@@ -1,6 +1,5 @@
 """tritonserver and perf_analyzer from Python: find them, start and stop a server, set model
-parameters in a `config.pbtxt`. Used by `scripts/bench_triton_offline.py` and the tests'
-`triton_fixtures`.
+parameters in a `config.pbtxt`. Used by the `serving` benchmark and the tests' `triton_fixtures`.
 """
 
 from __future__ import annotations

@@ -79,15 +79,11 @@ def anchor_workload(
     vocab_size: int, num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
     seed: int = 0, temperature: float = 0.6, max_token_id: int = 10000,
 ) -> Workload:
-    """The anchor offline workload, drawn as upstream mini-sglang's `benchmark/offline/bench.py`.
-
-    From one `random.Random(seed)` (the same stream as upstream's `random.seed(seed)`): every
-    prompt in turn, its length `randint(min_len, max_len)` then its ids `randint(0, top)`; then
-    every output length `randint(min_len, max_len)`. `top` is `max_token_id`, or the vocabulary's
-    last id when the vocabulary is smaller (tiny shapes: a different stream). With the defaults
-    and a vocabulary above 10,000 ids: 142,827 input and 133,966 output tokens. Sampling is
-    seeded per request (its index); every request runs to its output length (ignore_eos).
-    """
+    """The anchor offline workload, drawn as upstream mini-sglang's `benchmark/offline/bench.py`
+    from `random.Random(seed)`: every prompt's length `randint(min_len, max_len)` then its ids
+    `randint(0, top)` (`top`: `max_token_id` or the vocabulary's last id), then every output
+    length. With the defaults and a vocabulary above 10,000 ids: 142,827 input and 133,966 output
+    tokens. Sampling is seeded per request (its index), every request runs to its length."""
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
     rng = random.Random(seed)
