@@ -31,13 +31,12 @@ def submit(request: Any, llm: LLM, limits: RequestPolicy,
             checked = scheduler.check_request(parsed.prompt_ids, parsed.params)
         except ValueError as exc:
             raise RequestError(parsed.name_inputs(str(exc))) from None
-    except (RequestError, ValueError) as exc:
-        sender.send(error_response(str(exc)), flags=FINAL)
-        return None
     except Exception as exc:  # noqa: BLE001 - whatever fails, the request gets its final
-        logger.exception("reading a request failed")
-        sender.send(error_response(f"the request could not be read: {type(exc).__name__}: "
-                                   f"{exc}"), flags=FINAL)
+        message = str(exc)
+        if not isinstance(exc, ValueError):  # not a bad request (a RequestError): a bug
+            logger.exception("reading a request failed")
+            message = f"the request could not be read: {type(exc).__name__}: {exc}"
+        sender.send(error_response(message), flags=FINAL)
         return None
     state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
     state.uid = scheduler.submit(parsed.prompt_ids, parsed.params,
