@@ -1,10 +1,6 @@
-"""Triton `minisgl` model: the decoupled engine model.
-
-`execute` reads each request and hands it to the scheduler thread (`intake`), returning at
-once. The scheduler's outputs go through a queue to one response thread (`responses`), which
-owns every `send` and polls for cancelled requests; a second thread watches the engine and the
-server (`inflight.ServerWatch`), so that its round trips never hold up a final response.
-"""
+"""Triton `minisgl` model, decoupled: `execute` submits each request (`intake`) and returns at
+once; one thread sends every response (`responses`), another watches the engine and the server
+(`inflight.ServerWatch`)."""
 
 from __future__ import annotations
 
