@@ -81,21 +81,11 @@ class Run:
 
 
 def run_offline(llm: Any, workload: Workload, concurrency: int, label: str) -> Run:
-    """`workload` through `llm`'s scheduler, at most `concurrency` requests unfinished."""
+    """`workload` through `llm`'s scheduler, the next request submitted when one of the
+    `concurrency` in flight ends."""
     n = len(workload)
     sent, first, last, tokens, errors = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n, []
-    state = {"next": 0, "finished": 0}
-    lock = threading.RLock()  # a request refused at once calls back inside submit
-    done = threading.Event()
-
-    def submit_next() -> None:
-        with lock:
-            i = state["next"]
-            if i >= n:
-                return
-            state["next"] = i + 1
-        sent[i] = time.perf_counter()
-        llm.scheduler.submit(workload.prompts[i], workload.params[i], callback_for(i))
+    slots, finished = threading.Semaphore(concurrency), threading.Semaphore(0)
 
     def callback_for(i: int):  # noqa: ANN202 - a closure over the request's index
         def on_output(out: Any) -> None:  # on the scheduler thread
@@ -106,17 +96,17 @@ def run_offline(llm: Any, workload: Workload, concurrency: int, label: str) -> R
             if out.finished:
                 if out.error:
                     errors.append(f"request {i}: {out.error}")
-                with lock:
-                    state["finished"] += 1
-                    if state["finished"] == n:
-                        done.set()
-                submit_next()
+                slots.release()
+                finished.release()
 
         return on_output
 
-    for _ in range(min(concurrency, n)):
-        submit_next()
-    done.wait()
+    for i in range(n):
+        slots.acquire()
+        sent[i] = time.perf_counter()
+        llm.scheduler.submit(workload.prompts[i], workload.params[i], callback_for(i))
+    for _ in range(n):
+        finished.acquire()
     if errors or tokens != [p.max_tokens for p in workload.params]:
         raise RuntimeError(f"offline API: not every request got its tokens; {errors[:5]}")
     return Run(label, OFFLINE, sent, first, last, tokens)
