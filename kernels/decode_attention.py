@@ -175,8 +175,7 @@ LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=
 
 
 def decode_launch(head_dim: int, dtype: torch.dtype, num_splits: int = 1) -> DecodeLaunch:
-    """Defaults, from `scripts/bench_kernels.py --sweep` on the H200 (benchmark/RESULTS.md):
-    with one split (large batches, bandwidth-bound) 64-token steps and 3 stages; with splits
+    """Defaults, the fastest tiles of a sweep on Hopper: with one split (large batches, bandwidth-bound) 64-token steps and 3 stages; with splits
     (small batches: short, latency-bound slices) 32-token steps and 2 stages; 4 warps. fp32 or
     heads wider than 128 take 16-token steps (more would spill registers on sm_90: the
     gathered K/V tiles carry one 64-bit address per element). `MINISGL_DECODE_LAUNCH`

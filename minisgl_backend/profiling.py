@@ -7,7 +7,7 @@ engines, e.g. a benchmark's offline runs and a server's, may share the folder). 
 host time goes per step (Python work, waits on pipes or on the device) on a real workload; off
 (the default) it costs nothing.
 
-    MINISGL_PROFILE_DIR=/tmp/prof python scripts/bench_offline.py --shape qwen3-0.6b
+    MINISGL_PROFILE_DIR=/tmp/prof python -m minisgl_backend.benchmark offline --shape qwen3-0.6b
 
 With `MINISGL_TRACE_DIR` set, each engine rank records a torch.profiler trace (host ops and
 device kernels) of a window of its steps, `MINISGL_TRACE_STEPS` ("first:count", default
@@ -15,7 +15,7 @@ device kernels) of a window of its steps, `MINISGL_TRACE_STEPS` ("first:count", 
 (chrome://tracing, Perfetto) and `<dir>/<name>-<pid>-trace.txt` (the top host ops and kernels):
 a kernel-level timeline of the real system, scheduler and pipes included.
 
-    MINISGL_TRACE_DIR=/tmp/trace python scripts/bench_sampling_controls.py --configs logprobs
+    MINISGL_TRACE_DIR=/tmp/trace python -m minisgl_backend.benchmark controls --configs logprobs
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ sampling's). Unlike the cProfile of
 `MINISGL_PROFILE_DIR`, it adds no host work beyond four events and a few clock reads per step,
 so the waits it reports are real.
 
-    MINISGL_STEP_TIMES_DIR=/tmp/steps python scripts/bench_offline.py --shape qwen3-0.6b
+    MINISGL_STEP_TIMES_DIR=/tmp/steps python -m minisgl_backend.benchmark offline --shape qwen3-0.6b
     cat /tmp/steps/engine-rank0-*-steps.txt
 """
 

@@ -1,5 +1,5 @@
 """An engine client stand-in that answers every step at once, without a model: the scheduler
-alone, for measuring its host time per step (`scripts/bench_scheduler.py`)."""
+alone, for measuring its host time per step (`python -m minisgl_backend.benchmark scheduler`)."""
 
 from __future__ import annotations
 
