@@ -32,11 +32,9 @@ class CacheHandle:
     __slots__ = ("cached_len",)
 
     def __init__(self, cached_len: int) -> None:
-        """Create a handle covering `cached_len` tokens."""
         self.cached_len = cached_len
 
     def __repr__(self) -> str:
-        """Show the handle's type and covered length."""
         return f"{type(self).__name__}(cached_len={self.cached_len})"
 
 
@@ -86,10 +84,8 @@ class BasePrefixCache(ABC):
     # ----------------------------------------------------------------------------- operations
     @abstractmethod
     def match(self, token_ids: Sequence[int]) -> MatchResult:
-        """Find the longest cached page-aligned prefix of `token_ids`.
-
-        Refreshes LRU timestamps of the matched path but does not lock it.
-        """
+        """The longest cached page-aligned prefix of `token_ids` (its path's LRU times refreshed;
+        not locked)."""
 
     @abstractmethod
     def lock(self, handle: CacheHandle) -> None:
@@ -110,11 +106,8 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def evict(self, num_pages: int) -> list[int]:
-        """Evict unlocked entries, least recently used first, until >= `num_pages` pages are freed.
-
-        Returns the freed page ids. Raises RuntimeError (evicting nothing) when fewer than
-        `num_pages` pages are evictable.
-        """
+        """Evict unlocked entries, least recently used first, until >= `num_pages` pages are freed;
+        return their ids. RuntimeError (evicting nothing) when fewer are evictable."""
 
     # ---------------------------------------------------------------------------- accounting
     @property

@@ -32,16 +32,8 @@ class RadixTreeNode:
 
     __slots__ = ("key", "value", "children", "parent", "ref_count", "timestamp", "uid")
 
-    def __init__(
-        self,
-        key: list[int],
-        value: list[int],
-        parent: RadixTreeNode | None,
-        uid: int,
-        ref_count: int = 0,
-        timestamp: int = 0,
-    ) -> None:
-        """Create a node for `key` stored in pages `value` under `parent`."""
+    def __init__(self, key: list[int], value: list[int], parent: RadixTreeNode | None, uid: int,
+                 ref_count: int = 0, timestamp: int = 0) -> None:
         self.key = key
         self.value = value
         self.children: dict[Hashable, RadixTreeNode] = {}
@@ -56,7 +48,6 @@ class RadixTreeNode:
         return len(self.value)
 
     def __repr__(self) -> str:
-        """Show the node's size, lock count and timestamp."""
         return (
             f"RadixTreeNode(uid={self.uid}, tokens={len(self.key)}, pages={len(self.value)}, "
             f"ref={self.ref_count}, ts={self.timestamp}, children={len(self.children)})"
@@ -69,7 +60,6 @@ class RadixCacheHandle(CacheHandle):
     __slots__ = ("node",)
 
     def __init__(self, cached_len: int, node: RadixTreeNode) -> None:
-        """Create a handle for `node`, whose root path covers `cached_len` tokens."""
         super().__init__(cached_len)
         self.node = node
 
@@ -78,7 +68,6 @@ class RadixPrefixCache(BasePrefixCache):
     """Page-aligned radix-tree prefix cache with ref-count locking and LRU leaf eviction."""
 
     def __init__(self, page_size: int = 1) -> None:
-        """Create an empty tree for pages of `page_size` tokens."""
         super().__init__(page_size)
         self._next_uid = 0
         self._clock = 0
@@ -121,11 +110,8 @@ class RadixPrefixCache(BasePrefixCache):
             node = node.parent
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
-        """Cache `token_ids` stored in `pages`; take only the pages of the not-yet-cached suffix.
-
-        The caller's pages for the first `already_cached_len` tokens are left untouched (the cache
-        keeps its own pages for that prefix); the caller still owns and must free them.
-        """
+        """Cache `token_ids` stored in `pages`; take only the pages of the not-yet-cached suffix
+        (see `InsertResult.already_cached_len`)."""
         self._validate_insert(token_ids, pages)
         tokens = as_token_list(token_ids)
         node, matched, _ = self._walk(tokens, collect_pages=False)
@@ -135,11 +121,8 @@ class RadixPrefixCache(BasePrefixCache):
         return InsertResult(RadixCacheHandle(len(tokens), node), matched)
 
     def evict(self, num_pages: int) -> list[int]:
-        """Remove unlocked leaves, least recently used first, until >= `num_pages` pages are freed.
-
-        A parent that becomes an unlocked leaf joins the candidates. Raises RuntimeError (evicting
-        nothing) if fewer than `num_pages` pages are evictable.
-        """
+        """Remove unlocked leaves, least recently used first, until >= `num_pages` pages are freed
+        (a parent that becomes an unlocked leaf joins the candidates)."""
         self._validate_evict(num_pages)
         if num_pages == 0:
             return []
@@ -158,7 +141,8 @@ class RadixPrefixCache(BasePrefixCache):
             parent = leaf.parent
             freed.extend(leaf.value)
             self._remove_leaf(leaf)
-            if parent is not self._root and parent is not None and self._is_unlocked_leaf(parent):
+            if parent is not self._root and parent is not None and not parent.children and \
+                    parent.ref_count == 0:
                 heapq.heappush(heap, (parent.timestamp, parent.uid, parent))
         return freed
 
@@ -207,11 +191,8 @@ class RadixPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------------- tree walking
     def _walk(self, tokens: list[int], collect_pages: bool) -> tuple[RadixTreeNode, int, list[int]]:
-        """Descend along `tokens`, splitting the last edge if the match ends inside it.
-
-        Returns (deepest matched node, matched token count, matched page ids if collected) and
-        stamps every node on the path with a fresh timestamp.
-        """
+        """(deepest matched node, matched tokens, their page ids if collected) along `tokens`,
+        splitting the last edge if the match ends inside it; stamps the path with a fresh tick."""
         page_size = self.page_size
         limit = len(tokens) - len(tokens) % page_size
         now = self._tick()
@@ -237,11 +218,8 @@ class RadixPrefixCache(BasePrefixCache):
         return node, matched, pages
 
     def _common_len(self, key: list[int], tokens: list[int], start: int, limit: int) -> int:
-        """Page-aligned length of the common prefix of `key` and `tokens[start:limit]`.
-
-        The first page is known to match (it selected the child). Uses slice comparisons and a
-        binary search over pages instead of a per-token Python loop.
-        """
+        """Page-aligned length of the common prefix of `key` and `tokens[start:limit]` (the first
+        page matches: it selected the child); a binary search over pages of slice compares."""
         page_size = self.page_size
         end = min(len(key), limit - start)
         if end == len(key):
@@ -266,24 +244,14 @@ class RadixPrefixCache(BasePrefixCache):
         return tuple(tokens[start : start + self.page_size])
 
     # ---------------------------------------------------------------------- tree mutation
-    def _new_node(
-        self,
-        key: list[int],
-        value: list[int],
-        parent: RadixTreeNode | None,
-        ref_count: int = 0,
-        timestamp: int = 0,
-    ) -> RadixTreeNode:
-        """Create a node with a fresh uid (not yet linked into the tree)."""
+    def _new_node(self, key: list[int], value: list[int], parent: RadixTreeNode | None,
+                  ref_count: int = 0, timestamp: int = 0) -> RadixTreeNode:
         self._next_uid += 1
         return RadixTreeNode(key, value, parent, self._next_uid, ref_count, timestamp)
 
     def _split(self, child: RadixTreeNode, length: int) -> RadixTreeNode:
-        """Split `child` after `length` tokens (page-aligned); return the new upper node.
-
-        The upper node inherits the child's ref count and timestamp, so locks and the evictable /
-        protected totals stay correct without any adjustment.
-        """
+        """Split `child` after `length` tokens; the new upper node, returned, inherits its ref
+        count and timestamp, so locks and page totals stay correct."""
         parent = child.parent
         assert parent is not None and 0 < length < len(child.key) and length % self.page_size == 0
         num_pages = length // self.page_size
@@ -319,13 +287,8 @@ class RadixPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------------------ helpers
     def _tick(self) -> int:
-        """Advance and return the LRU clock."""
         self._clock += 1
         return self._clock
-
-    def _is_unlocked_leaf(self, node: RadixTreeNode) -> bool:
-        """Whether `node` can be evicted right now."""
-        return not node.children and node.ref_count == 0
 
     def _node_of(self, handle: CacheHandle) -> RadixTreeNode:
         """The node behind `handle`; rejects foreign and stale (evicted) handles."""
@@ -337,7 +300,7 @@ class RadixPrefixCache(BasePrefixCache):
         return node
 
     def _iter_nodes(self) -> list[RadixTreeNode]:
-        """All nodes including the root, pre-order (iterative, no recursion limit)."""
+        """All nodes including the root, pre-order."""
         nodes: list[RadixTreeNode] = []
         stack = [self._root]
         while stack:
