@@ -1,8 +1,7 @@
 """SiLU-and-mul (the gated MLP's activation) for few tokens: grid (tokens, column blocks).
 
 FlashInfer's kernel gives each token one thread block, so at batch 1 a single block walks the
-whole intermediate row (Llama-3.1-8B's 14,336 columns); splitting the row over column blocks
-spreads it over the SMs.
+whole intermediate row; splitting the row over column blocks spreads it over the SMs.
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ Flash-decoding, grid (requests, kv_heads, num_splits): each program takes one co
 of a request's tokens and attends all query heads of one KV group to it at once (the group is
 one `tl.dot` operand, padded to 16 rows). With one split (large batches) the program writes the
 output itself; with several it writes a normalized partial output and its log-sum-exp (base 2)
-per query head, and a second kernel, grid (requests, kv_heads), merges them. (Merging in the
-last split program to arrive, behind an atomic counter, would put the atomic and the merge on
-the critical path, while the merge kernel's programs run in parallel.)
+per query head, and a second kernel, grid (requests, kv_heads), merges them in parallel.
 The grid depends only on the batch size and `num_splits`, never on the sequence lengths, so a
 launch can be captured in a CUDA graph and replayed with new lengths: each request's tokens are
 divided among the splits inside the kernel, and splits past its end produce empty partials.
@@ -175,8 +173,9 @@ LAUNCH_ENV = "MINISGL_DECODE_LAUNCH"  # e.g. "block_n=64,num_warps=4,num_stages=
 
 
 def decode_launch(head_dim: int, dtype: torch.dtype, num_splits: int = 1) -> DecodeLaunch:
-    """Defaults, the fastest tiles of a sweep on Hopper: with one split (large batches, bandwidth-bound) 64-token steps and 3 stages; with splits
-    (small batches: short, latency-bound slices) 32-token steps and 2 stages; 4 warps. fp32 or
+    """Default tiles: with one split (large batches, bandwidth-bound) 64-token steps and 3
+    stages; with splits (small batches: short, latency-bound slices) 32-token steps and 2
+    stages; 4 warps. fp32 or
     heads wider than 128 take 16-token steps (more would spill registers on sm_90: the
     gathered K/V tiles carry one 64-bit address per element). `MINISGL_DECODE_LAUNCH`
     overrides fields for 16-bit heads (tuning runs)."""

@@ -3,8 +3,7 @@ neighbours folded in.
 
 At batch 1 a decoder layer reads its weights once per token, and the kernels between its
 GEMVs (add + RMSNorm, SiLU-and-mul) are tiny but each costs a launch and a gap in the CUDA
-graph: for Llama-3.1-8B they take a good part of the step. Here one
-kernel computes `out = x' @ weight.T` for x [M <= 16, K], where x' is, optionally,
+graph. Here one kernel computes `out = x' @ weight.T` for x [M <= 16, K], where x' is, optionally,
 
 - `rms_norm(x) * norm_weight` (the layer's input / post-attention norm: each program sums the
   squares of the x slices it reads anyway, and scales its results by 1/RMS at the end), or
@@ -21,10 +20,8 @@ padded to 16 (the GEMV is bound by weight reads, so unused MMA lanes cost nothin
 (`use_dot=False`, for up to four rows) products accumulated element-wise on the CUDA cores and
 summed across K once at the end.
 
-The decoder takes this path where it beats cuBLAS plus the separate kernels
-(`models/decoder.py`, `fused_gemv_max_bs`): one or two rows in small layers such as
-Qwen3-0.6B's. cuBLAS reads big weights (Llama-3.1-8B's) closer to the copy bandwidth, which
-outweighs the folded kernels.
+The decoder takes this path where it beats cuBLAS plus the separate kernels (few rows, small
+layers: `models/decoder.py`); cuBLAS reads big weights closer to the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -112,9 +109,8 @@ FMA_MAX_ROWS = 4  # element-wise products keep rows x block_n x block_k floats i
 
 
 def gemv_launch(rows: int) -> GemvLaunch:
-    """Defaults by rows, the fastest tiles summed over Qwen3-0.6B's four projections: at one
-    row, 4 weight rows x 512 columns per step on the CUDA cores; at four rows the same with
-    256 columns; more rows take `tl.dot` (where cuBLAS is mostly faster anyway)."""
+    """Default tiles by rows: few rows on the CUDA cores, more rows with `tl.dot` (where
+    cuBLAS is mostly faster anyway)."""
     if rows <= 2:
         return GemvLaunch(block_n=4, block_k=512, use_dot=False)
     if rows <= FMA_MAX_ROWS:

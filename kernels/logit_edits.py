@@ -1,33 +1,22 @@
-"""A step's logit edits (penalties, logit bias, bad-word bans, min_p) in two kernels.
+"""A step's logit edits (penalties, logit bias, bad-word bans, min_p) in two kernels, in place
+of the torch references' many small launches (`minisgl_backend.engine.controls.EDITS`), each
+of which costs the engine's host thread about as much as a small model's decode step can spare:
 
-The torch references (`minisgl_backend.engine.controls.EDITS`) spend about thirty small
-kernels a step on these: the penalized rows' counts and prompt mask gathered and ten
-element-wise passes, the bias tables gathered and scattered, the bad-word context compared,
-min_p's max, compare and fill. On a GPU each launch costs the engine's host thread 10-20 us,
-about as much as a small model's whole decode step can spare, so here:
+* `apply_edits`: programs over (row, vocabulary chunk). Each writes its chunk to the output
+  (which may be a copy: the raw logits then stay for log-probabilities) with the row's
+  penalties, sparse or dense:
+  - sparse, for rows of at most `SPARSE_POSITIONS` tokens so far: only tokens a row has seen
+    change, and its token pool row holds them all, so the program gathers and scatters just
+    those ids of its chunk (repeated ids write the same value);
+  - dense, for longer rows: the chunk read once with the row's counts and prompt mask.
+  Then it adds the row's bias entries, sets to -inf the last token of every bad-word sequence
+  whose prefix ends the row so far, and for a min_p row writes the chunk's largest logit.
+* then, for min_p rows, the floor (`kernels.sampling.MinPFloor`: logits below the row's
+  largest plus temperature x log(min_p) become -inf), written by `apply_min_p_floor` or left to
+  the sampling kernels, which apply it as they read the logits.
 
-* `apply_edits`: programs over (row, vocabulary chunk). Each writes its chunk to the output,
-  which may be a copy (the raw logits then stay for log-probabilities), and applies the row's
-  penalties in one of two ways:
-  - sparse, for rows of at most `SPARSE_POSITIONS` tokens so far: only the tokens a row has
-    seen change, and its token pool row holds them all (the prompt came on admission), so the
-    program reads the pool, and for the ids in its chunk gathers the logits and generated
-    counts, then scatters the penalized values (repeated ids write the same value). An
-    in-place program then reads and writes a few logits, not its chunk.
-  - dense, for longer rows: the chunk read once with the row's counts and prompt mask (at 64
-    rows of Qwen3's vocabulary, 49 MB that the sparse way does not read).
-  Then, within its chunk, it adds the row's bias entries and sets to -inf the last token of
-  every bad-word sequence whose prefix ends the row so far (read from the engine's token
-  pool). Last, for a min_p row, it writes the chunk's largest edited logit.
-* then, for min_p rows, the floor (`kernels.sampling.MinPFloor`): the logits below the row's
-  largest plus its offset (temperature x log(min_p)) become -inf. `apply_edits` writes it
-  (`kernels.sampling.apply_min_p_floor`), or leaves it to the sampling kernels, which apply it
-  as they read the logits (one pass over the min_p rows' logits less).
-
-The arithmetic is the torch references': penalties in float32 (a seen token's positive logit
-divided by the repetition penalty, a negative one multiplied, then `frequency * count +
-presence * (count > 0)` subtracted), bias values rounded to the logits' dtype and added, the
-min_p compare in float32.
+The arithmetic is the torch references' (penalties and the min_p compare in float32, bias
+values rounded to the logits' dtype).
 """
 
 from __future__ import annotations

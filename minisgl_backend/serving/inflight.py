@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.02
 # Each is_cancelled() is a round trip to tritonserver: with many requests in flight, poll less
-# often (about 0.5 ms of polling per request and per poll at most every this many seconds).
+# often (at most every this many seconds per request in flight).
 CANCEL_POLL_SECONDS_PER_REQUEST = 0.0005
 READY_CHECK_SECONDS = 0.5
 
@@ -97,8 +97,7 @@ class InFlight:
     def poll_cancelled(self) -> None:
         """On the response thread (is_cancelled() must not race with a request's final
         response: Triton frees the request's response factory then): abort the requests their
-        clients cancelled. Each is_cancelled() is a round trip: with many requests in flight,
-        this polls less often."""
+        clients cancelled."""
         now = time.monotonic()
         if now - self._last_poll < max(CANCEL_POLL_SECONDS,
                                        CANCEL_POLL_SECONDS_PER_REQUEST * len(self)):
