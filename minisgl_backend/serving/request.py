@@ -16,12 +16,8 @@ import numpy as np
 
 from minisgl_backend.core import SamplingParams, bad_word_sequences, check_token_ids
 from minisgl_backend.fields import spec_field, validate
-from minisgl_backend.serving.interface import (
-    TRITON_REQUEST_PARAMETERS,
-    inputs_of,
-    refused_inputs,
-    sampling_inputs,
-)
+from minisgl_backend.serving.interface import (TRITON_REQUEST_PARAMETERS, inputs_of, refused_inputs,
+                                               sampling_inputs)
 from minisgl_backend.tokenizer import encode_chat, encode_prompt
 
 GetInput = Callable[[str], "np.ndarray | None"]
@@ -134,12 +130,6 @@ def text_list(get: GetInput, name: str, max_entries: int, max_length: int,
     return words
 
 
-def word_list(get: GetInput, name: str, limits: RequestPolicy,
-              keep_empty: bool = False) -> list[str]:
-    """A list-of-words input (stop, bad and embedding-bias words) within the policy's limits."""
-    return text_list(get, name, limits.max_stop_words, limits.max_stop_word_length, keep_empty)
-
-
 def float_list(get: GetInput, name: str) -> list[float]:
     """All values of an optional float input (any shape), each finite."""
     array = get(name)
@@ -237,10 +227,8 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
                          limits: RequestPolicy = RequestPolicy(),
                          vocab_size: int = 0, parameters: str = "") -> EngineRequest:
     """Read the inputs of the `minisgl` model: the prompt (token ids from preprocessing, or
-    text when called directly) and the generation settings. Token ids (`input_ids`, `end_id`)
-    must be below `vocab_size` when it is given: the engine indexes its embedding and logits
-    with them. `tokenizer` tokenizes `bad_words` and `embedding_bias_words`; `parameters`: the
-    request's parameters as Triton gives them (JSON)."""
+    text) and the generation settings; token ids must be below `vocab_size` when given.
+    `parameters`: the request's parameters as Triton gives them (JSON)."""
     check_parameters(parameters)
     for spec in refused_inputs():
         if get(spec.name) is not None:
@@ -278,7 +266,12 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
         "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason",
         "return_cached_tokens", "return_perf_metrics")}
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
-    _check_logits_size(values, len(prompt_ids), max_tokens, vocab, limits)
+    for name, tokens in (("return_context_logits", len(prompt_ids)),
+                         ("return_generation_logits", max_tokens)):
+        if values.get(name) and tokens * vocab > limits.max_logits_values:
+            raise RequestError(f"{name}: {tokens} tokens x {vocab} vocabulary entries exceed "
+                               f"the limit of {limits.max_logits_values} values (parameter "
+                               f"max_logits_values)")
     try:
         params = SamplingParams(**values)
     except ValueError as exc:
@@ -334,11 +327,12 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     TensorRT-LLM's preprocessing does: bad words as written without special tokens, embedding
     bias words with them (each of a word's tokens gets the word's weight; weights add up)."""
     values: dict[str, Any] = {}
-    stop = word_list(get, "stop_words", limits)
+    stop, bad, bias_words = (text_list(get, name, limits.max_stop_words,
+                                       limits.max_stop_word_length, keep_empty=keep)
+                             for name, keep in (("stop_words", False), ("bad_words", False),
+                                                ("embedding_bias_words", True)))
     if stop:
         values["stop"] = stop
-    bad = word_list(get, "bad_words", limits)
-    bias_words = word_list(get, "embedding_bias_words", limits, keep_empty=True)
     bias_weights = float_list(get, "embedding_bias_weights")
     if len(bias_words) != len(bias_weights):
         raise RequestError(f"embedding_bias_weights must have one weight per "
@@ -360,20 +354,9 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     return values
 
 
-def _check_logits_size(values: dict[str, Any], prompt_tokens: int, max_tokens: int,
-                       vocab: int, limits: RequestPolicy) -> None:
-    for name, tokens in (("return_context_logits", prompt_tokens),
-                         ("return_generation_logits", max_tokens)):
-        if values.get(name) and tokens * vocab > limits.max_logits_values:
-            raise RequestError(f"{name}: {tokens} tokens x {vocab} vocabulary entries exceed "
-                               f"the limit of {limits.max_logits_values} values (parameter "
-                               f"max_logits_values)")
-
-
 def _sampling_values(get: GetInput) -> tuple[dict[str, Any], dict[str, str]]:
-    """The `SamplingParams` fields the request's sampling inputs set (as declared in
-    `serving/interface.py`), and for each field the input that gave it. Two inputs for one
-    field (`seed` and `random_seed`, say) must agree."""
+    """The `SamplingParams` fields the request's sampling inputs set, and for each the input
+    that gave it (two inputs for one field, `seed` and `random_seed`, must agree)."""
     values: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     for spec in sampling_inputs():
