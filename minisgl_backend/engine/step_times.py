@@ -1,22 +1,11 @@
 """Opt-in device timeline of an engine rank: is the device busy, or waiting for the host?
 
 With `MINISGL_STEP_TIMES_DIR` set, every step marks four points on the device's stream (CUDA
-events on a GPU, wall time around the synchronous step on CPU): the start of its launch, the
-start of its forward (inputs are in place), the start of its sampling (the grammar masks, when
-the step has guided rows, are in) and its end. When the step loop ends the rank writes
-`<dir>/engine-rank<N>-<pid>-steps.txt`, per phase and per decode batch size: the device's
-time from forward start to end ("busy"; for eager steps it includes waits for the host's
-kernel launches) and the part of it from the sampling's start ("sampling": a guided step's
-masks that come after its forward ends show as forward time, not as sampling), its time waiting
-before the forward could start ("waits": the host had not yet applied the step's message and
-launched it, after the previous step ended: what overlap scheduling should hide), and four
-host times of the turnaround: the engine's own work to launch a step ("launch"), its wait for
-the scheduler's next step message, and two parts of the launch: applying the message up to the
-forward's launch ("apply") and the time from the forward's launch to the sampling's ("held":
-for a guided step, it includes the wait for the masks; the rest of the launch is the
-sampling's). Unlike the cProfile of
-`MINISGL_PROFILE_DIR`, it adds no host work beyond four events and a few clock reads per step,
-so the waits it reports are real.
+events on a GPU, wall time on CPU): its launch's start, its forward's start, its sampling's start
+and its end; the rank writes `<dir>/engine-rank<N>-<pid>-steps.txt` when its step loop ends,
+per phase and per decode batch size (the report's legend names each column). Unlike the
+cProfile of `MINISGL_PROFILE_DIR`, it adds no host work beyond four events and a few clock reads
+per step, so the waits it reports are real.
 
     MINISGL_STEP_TIMES_DIR=/tmp/steps python -m minisgl_backend.benchmark offline --shape qwen3-0.6b
     cat /tmp/steps/engine-rank0-*-steps.txt
@@ -150,15 +139,12 @@ class StepTimeline:
             if step.phase == "decode":
                 bucket = next((b for b in BATCH_BUCKETS if step.batch_size <= b), step.batch_size)
                 totals.append(self.decode_buckets[bucket])
+            values = {"busy": busy, "waits": gap, "launch": step.launch, "wait": step.wait,
+                      "sampling": sampling, "held": step.held, "apply": step.apply}
             for t in totals:
                 t.steps += 1
-                t.busy += busy
-                t.waits += gap
-                t.launch += step.launch
-                t.wait += step.wait
-                t.sampling += sampling
-                t.held += step.held
-                t.apply += step.apply
+                for name, value in values.items():
+                    setattr(t, name, getattr(t, name) + value)
 
     def summary(self, title: str = "") -> str:
         self._resolve(wait=True)
@@ -197,10 +183,7 @@ def _table(first_column: str, totals: list[tuple[object, _Totals]]) -> list[str]
              "waits ms/step | launch ms/step | wait ms/step | apply ms/step | held ms/step |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in totals:
-        n = max(t.steps, 1)
-        lines.append(f"| {name} | {t.steps} | {t.busy:.3f} | {t.waits:.3f} | "
-                     f"{t.busy / n * 1e3:.3f} | {t.sampling / n * 1e3:.3f} | "
-                     f"{t.waits / n * 1e3:.3f} | {t.launch / n * 1e3:.3f} | "
-                     f"{t.wait / n * 1e3:.3f} | {t.apply / n * 1e3:.3f} | "
-                     f"{t.held / n * 1e3:.3f} |")
+        per_step = " | ".join(f"{getattr(t, k) / max(t.steps, 1) * 1e3:.3f}" for k in (
+            "busy", "sampling", "waits", "launch", "wait", "apply", "held"))
+        lines.append(f"| {name} | {t.steps} | {t.busy:.3f} | {t.waits:.3f} | {per_step} |")
     return lines

@@ -27,10 +27,8 @@ if TYPE_CHECKING:  # the engine (torch, models) is imported in the engine proces
 
 def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_file: str) -> None:
     """Serve step messages until SHUTDOWN or until the scheduler's end of the pipe closes.
-
-    Every rank answers READY once loaded (with the KV pool size); only rank 0 answers steps,
-    since all ranks sample the same tokens. A failure is reported as ERROR before exiting.
-    """
+    Every rank answers READY once loaded; only rank 0 answers steps (all ranks sample the same
+    tokens). A failure is reported as ERROR before exiting."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # collectives stay on loopback
     _exit_with_parent(os.path.dirname(init_file))
     from minisgl_backend.distributed import destroy_process_group
@@ -75,12 +73,9 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
 
 
 class _Replier:
-    """Sends each launched step's reply from a thread of its own, as soon as the step's sampled
-    ids are on the host: a reply waits neither for the next step's message nor for its launch,
-    so the scheduler gets step N's tokens while the device still computes step N+1 (and a
-    guided step's masks, which need them, come back sooner). Replies keep the steps' order;
-    ranks other than 0 wait for their steps without replying. Torch's operations release the
-    GIL, so the thread gets it while the main thread launches the next step."""
+    """Sends each launched step's reply, in order, from a thread of its own as soon as its
+    sampled ids are on the host: the scheduler gets step N's tokens while the device computes
+    step N+1, not after its launch. Ranks other than 0 wait for their steps without replying."""
 
     def __init__(self, conn: Connection, reply: bool, device: torch.device) -> None:
         self._conn, self._reply, self._device = conn, reply, device
@@ -131,14 +126,10 @@ def _send_error(conn: Connection, message: str) -> None:
 
 def _serve_steps(engine: Engine, conn: Connection, reply: bool,
                  trace: StepTrace | None = None) -> None:
-    """Run steps in message order; every step is answered with its own tokens, once they are
-    on the host (`_Replier`). With overlap the scheduler sends step N+1 before it reads step
-    N's tokens, so the device computes step N+1 while the scheduler handles step N's; without
-    it, the scheduler waits for each step's reply before sending the next. A STEP with
-    `masks_follow` runs its forward, then its sampling waits for the masks (which follow from
-    the step before's tokens): on a GPU the device waits for the mask buffer's ready word and
-    the host goes on at once (its MASKS message is then skipped); otherwise the host waits for
-    the MASKS message, keeping the next STEP if it comes first."""
+    """Run steps in message order, each answered with its tokens (`_Replier`). A STEP with
+    `masks_follow` runs its forward, then its sampling waits for the masks: on a GPU the device
+    waits for the mask buffer's ready word (its MASKS message is then skipped); otherwise the
+    host waits for the MASKS message, keeping the next STEP if it comes first."""
     replier = _Replier(conn, reply, engine.device)
     early: deque[bytes] = deque()  # STEPs that came while the host waited for MASKS
     try:

@@ -18,13 +18,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 
-from minisgl_backend.kvcache.base import (
-    BasePrefixCache,
-    CacheHandle,
-    InsertResult,
-    MatchResult,
-    as_token_list,
-)
+from minisgl_backend.kvcache.base import (BasePrefixCache, CacheHandle, InsertResult, MatchResult,
+                                          as_token_list)
 
 
 class RadixTreeNode:
