@@ -133,14 +133,10 @@ class GenerationOutput:
 
 
 class _Delta(NamedTuple):
-    """A sampled token whose output is decided (kept, and whether it ends the request) but not
-    yet emitted: its text and its RequestOutput wait for `OutputTracker.flush`.
+    """A sampled token whose output is decided but not yet emitted (`OutputTracker.flush`).
 
-    A tracker holds its deltas as plain tuples (`_deltas` names them): the garbage collector
-    stops tracking a plain tuple of untracked values (numbers, strings, None, numpy arrays,
-    such tuples), not a NamedTuple or a class instance. A request without streaming holds every
-    token's delta until its end, tens of thousands in an offline batch, which every collection
-    would otherwise walk, with the GIL held."""
+    Trackers hold these as plain tuples: the garbage collector stops tracking a plain tuple of
+    untracked values, not a NamedTuple, and a whole output holds every token's until its end."""
 
     token: int
     reason: str | None  # the request's end, if this token ends it
@@ -149,16 +145,14 @@ class _Delta(NamedTuple):
     logprobs: Logprobs | None
     logits: np.ndarray | None
     text: str | None  # None: to be detokenized at flush
-    # The request's state when the token was taken (the flush may come after a later step's
-    # scheduling grew its pages, or its end gave them back).
+    # The request's state when the token was taken (a later step may change it before flush).
     pages: int
     reused_pages: int
     drafted: int
     accepted: int
 
 
-# Where a held tuple keeps `_Delta.reason`: a whole output's flush, once a token, asks only
-# whether the last one ended the request, without naming it.
+# Where a held tuple keeps `_Delta.reason` (a whole output's flush checks only the last one).
 _REASON = _Delta._fields.index("reason")
 
 
@@ -170,15 +164,11 @@ def _deltas(held: list[tuple[Any, ...]]) -> list[_Delta]:
 class OutputTracker:
     """Turns sampled tokens of one request into deltas and decides when it stops.
 
-    `add_token` decides at once what a token does to the request (kept, finished, why), which
-    the scheduler needs before it schedules the next step; the delta's text and its output
-    (the detokenizer, the log-probability dicts, the callback) wait for `flush`, which the
-    scheduler calls once that next step is sent, so that they are off the path between two
-    steps. A request with stop strings detokenizes at once (the text decides its end).
-
-    `stream` False: the caller wants only the whole output (`LLM.generate`, a non-streaming
-    Triton request). The deltas then wait for the request's end and leave as one output, whose
-    text is decoded in one go: no detokenizer call and no output per token."""
+    `add_token` decides at once what a token does to the request (the scheduler needs it before
+    the next step); the delta's text and output wait for `flush`, called once that next step is
+    sent, off the path between two steps. A request with stop strings detokenizes at once (the
+    text decides its end). `stream` False (`LLM.generate`, a non-streaming Triton request): the
+    deltas wait for the request's end and leave as one output, its text decoded in one go."""
 
     def __init__(self, req: Req, tokenizer: Any, eos_ids: frozenset[int],
                  callback: OutputCallback, stream: bool = True) -> None:
@@ -231,8 +221,7 @@ class OutputTracker:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def add_token(self, token: int,
-                  logprobs: Logprobs | None = None,
+    def add_token(self, token: int, logprobs: Logprobs | None = None,
                   logits: np.ndarray | None = None) -> bool:
         """Record a sampled token (with its log-probability, top ids and theirs, and its raw
         logits, when the request asked); return True if the request is finished. Its delta is
@@ -323,16 +312,13 @@ class OutputTracker:
               error: str | None = None) -> None:
         """The output of consecutive deltas (none: the end without a token, `reason` and
         `error`)."""
-        req = self.req
+        req, tokens = self.req, [delta.token for delta in deltas]
+        pages, reused, drafted, accepted = (len(req.pages), req.reused_pages, req.drafted,
+                                            req.accepted)
         if deltas:
             last = deltas[-1]
-            tokens, reason, error = [delta.token for delta in deltas], last.reason, last.error
-            pages, reused, drafted, accepted = (last.pages, last.reused_pages, last.drafted,
-                                                last.accepted)
-        else:
-            tokens = []
-            pages, reused, drafted, accepted = (len(req.pages), req.reused_pages, req.drafted,
-                                                req.accepted)
+            reason, error = last.reason, last.error
+            pages, reused, drafted, accepted = last[-4:]  # the state when it was taken
         out = RequestOutput(
             uid=req.uid, token_ids=tokens, text=text, finished=reason is not None,
             finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=req.prefix_hit_len,

@@ -23,15 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from minisgl_backend.core import (
-    Req,
-    RowSampling,
-    SamplingParams,
-    bad_word_sequences,
-    check_token_ids,
-    sample_seed,
-    wants_context_logits,
-)
+from minisgl_backend.core import (Req, RowSampling, SamplingParams, bad_word_sequences,
+                                  check_token_ids, sample_seed, wants_context_logits)
 from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_ready
 from minisgl_backend.engine.sampler import seed_to_int64
@@ -209,8 +202,15 @@ class Scheduler:
                 f"max_tokens ({params.max_tokens}) + prompt tokens ({prompt_len}) exceeds the "
                 f"limit of {limit} tokens per request"
             )
-        bans = self._banned_sequences(params)
-        self._check_token_ids(prompt_ids, params, bans)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer in the model folder")
+        words = bad_word_sequences(self.tokenizer, params.bad_words, spaced=True)
+        bans = tuple(dict.fromkeys([*params.bad_token_ids, *words]))
+        # The engine indexes its embedding and logits with these: a bad id would fail it.
+        check_token_ids("prompt", prompt_ids, self.vocab_size)
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        check_token_ids("bad_token_ids", (t for seq in bans for t in seq), self.vocab_size)
+        check_token_ids("logit_bias", params.logit_bias or {}, self.vocab_size)
         return CheckedRequest(bans, self.grammars.compile(params))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
@@ -218,16 +218,11 @@ class Scheduler:
                stream: bool = True) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
-        A request with `params.n` samples runs as n requests with uids `uid .. uid + n - 1`,
-        outputs told apart by `RequestOutput.index`; sample i's seed is
-        `sample_seed(seed, i)`, and samples after the first are admitted once the first one's
-        prompt is in the prefix cache (the prompt is computed once). An invalid request, a dead
-        engine or a scheduler that was shut down ends every sample through `callback` with an
-        error. Uids follow the order requests are queued in. `abort(uid)` ends all samples.
-        `checked`: what `check_request` already returned for this request (else it runs here,
-        before the lock: a first grammar compile may take a while). `stream` False: each
-        sample's tokens and text come in one output at its end (`OutputTracker`), which saves
-        the scheduler's thread the work of one output and text delta per token.
+        Its `params.n` samples run as requests `uid .. uid + n - 1` (`RequestOutput.index`;
+        seeds `sample_seed(seed, i)`); samples after the first wait until the prompt is in the
+        prefix cache. An invalid request, a dead engine or a shut-down scheduler ends every
+        sample with an error. `checked`: `check_request`'s answer, if the caller already has
+        it. `stream` False: each sample's whole output comes at its end (`OutputTracker`).
         """
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         error = None
@@ -253,25 +248,6 @@ class Scheduler:
             callback(RequestOutput(req.uid, [], "", True, "error", req.prompt_len, 0, error,
                                    index=req.index))
         return uid
-
-    def _banned_sequences(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """`bad_token_ids` and every `bad_words` string tokenized as it is and with a leading
-        space (how a word usually appears mid-text), without duplicates."""
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer in the model folder")
-        words = bad_word_sequences(self.tokenizer, params.bad_words, spaced=True)
-        return tuple(dict.fromkeys([*params.bad_token_ids, *words]))
-
-    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams,
-                         bans: tuple[tuple[int, ...], ...]) -> None:
-        """The engine indexes its embedding with prompt ids and its logits with stop ids,
-        banned and biased ids: an id outside the vocabulary would fail the engine for every
-        request."""
-        vocab = self.vocab_size
-        check_token_ids("prompt", prompt_ids, vocab)
-        check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
-        check_token_ids("bad_token_ids", (t for seq in bans for t in seq), vocab)
-        check_token_ids("logit_bias", params.logit_bias or {}, vocab)
 
     def abort(self, uid: int) -> None:
         self._inbox.put(_Abort(uid))
@@ -553,9 +529,8 @@ class Scheduler:
                 msg.tokens.extend(req.step_tokens)
         for req in admitted:
             self._admission(msg, req)
-        for row, length in self._long_rope_rows:
-            msg.long_rope_rows.append(row)
-            msg.long_rope_lens.append(length)
+        msg.long_rope_rows += [row for row, _ in self._long_rope_rows]
+        msg.long_rope_lens += [length for _, length in self._long_rope_rows]
         self._long_rope_rows.clear()
         if self.guided_uids:
             msg.guide_rows = _slots_of(batch, guided)
@@ -589,7 +564,7 @@ class Scheduler:
         plain_slots: list[int] = []
         for i, slot in zip(guided, self._mask_starts(batch, guided)):
             req = batch[i]
-            if self._allows_all(req):
+            if req.uid not in self.trackers or req.guide.finished:  # ended: allow every token
                 masks[slot:slot + 1 + len(req.drafts)] = -1
             elif req.drafts:
                 req.guide.fill_with_drafts(masks, slot, req.drafts)
@@ -597,10 +572,6 @@ class Scheduler:
                 plain.append(req.guide)
                 plain_slots.append(slot)
         fill_masks(plain, masks, plain_slots)
-
-    def _allows_all(self, req: Req) -> bool:
-        """Its request ended (or its grammar did): the row's mask allows every token."""
-        return req.uid not in self.trackers or req.guide.finished
 
     @staticmethod
     def _mask_starts(batch: list[Req], guided: list[int]) -> list[int]:
@@ -618,16 +589,11 @@ class Scheduler:
 
     def _guided_tokens(self, sent: _SentStep, reply: StepReply
                        ) -> list[tuple[OutputTracker, int]]:
-        """(tracker, sampled token) of the guided rows of `sent` (a step without drafts: one
-        token a row) whose grammars follow the token, as `_process` would."""
-        sampled = reply.tokens
-        pairs = []
-        for i in sent.guided:
-            req = sent.batch[i]
-            tracker = self.trackers.get(req.uid)
-            if sent.counts[i] and tracker is not None and req.table_idx >= 0:
-                pairs.append((tracker, int(sampled[i])))
-        return pairs
+        """(tracker, sampled token) of the guided rows of `sent` (a step without drafts) whose
+        tokens `_process` will take."""
+        rows = [(self.trackers.get(sent.batch[i].uid), i) for i in sent.guided
+                if sent.counts[i] and sent.batch[i].table_idx >= 0]
+        return [(tracker, int(reply.tokens[i])) for tracker, i in rows if tracker is not None]
 
     def _process(self, sent: _SentStep, reply: StepReply) -> None:
         logprobs = reply.logprobs_of() if len(reply.lp_rows) else {}

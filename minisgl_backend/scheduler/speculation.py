@@ -10,10 +10,9 @@ the row's new length: never cached, overwritten by the next tokens.
 Drafts come from the proposer (`speculative`), and for guided rows from the grammar when it
 forces a continuation (jump-forward, `jump_forward`), cut at the first token the grammar
 rejects. Steps with more rows than `speculative_max_batch_size` do not speculate; a request
-gets as many proposed drafts as are likely enough to be kept (`draft_length`: none when its
-drafts are rarely kept), so that a verify step computes few tokens in vain (what a CPU, or a
-large batch, pays for); after a step in which no row had a draft
-(and no row is guided), the next tries wait a few steps (doubling), with overlap meanwhile.
+gets only the drafts likely enough to be kept (`draft_length`), so that a verify step computes
+few tokens in vain; after a step in which no row had a draft (and none is guided), the next
+tries wait a few steps (doubling), with overlap meanwhile.
 """
 
 from __future__ import annotations
