@@ -53,11 +53,9 @@ class LLM:
         freeze_startup_heap()  # the scheduler thread's collections skip what is alive now
         self._frozen = True
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[GenerationOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerationOutput]:
         """Generate for every prompt (a string or a list of token ids); results in prompt order,
         `n` per prompt (`SamplingParams.n`; prompt 0's samples first, by `.index`).
 

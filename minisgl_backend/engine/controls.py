@@ -79,9 +79,8 @@ class _LogprobBuffers:
 
 @dataclass
 class PendingLogprobs:
-    """`LogitControls.begin_logprobs`' launch: the reporting rows (batch indices, on cpu), their
-    raw logits, the most top tokens one asks for, the buffers its chunk statistics went into,
-    and the side stream they run on (None: the current stream)."""
+    """`LogitControls.begin_logprobs`' launch: the reporting rows (batch indices), their raw
+    logits, the most top tokens one asks for, its buffers, and its stream (None: current)."""
 
     batch_rows: np.ndarray
     logits: torch.Tensor
@@ -386,21 +385,21 @@ class LogitControls:
         return LogprobReport(wanted, raw.table)
 
     def begin_logprobs(self, logits: torch.Tensor, rows: np.ndarray) -> PendingLogprobs | None:
-        """On a GPU, the first half of `sampled_logprobs`, launched now on a side stream: the
-        raw `logits`' chunk statistics run beside the edits and sampling, which do not change
-        `logits` (`apply` with `keep_raw`), instead of after them. None if no row asks, or
-        off the kernels' path (`sampled_logprobs` then does it all)."""
+        """On a GPU, the first half of `sampled_logprobs`, launched now on a side stream beside
+        the edits and sampling (which leave `logits` raw: `apply` with `keep_raw`). None if no
+        row asks, or off the kernels' path (`sampled_logprobs` then does it all)."""
         if not uses_kernels(logits):
             return None
-        return self._chunk_statistics(logits, rows, self._side_stream())
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._chunk_statistics(logits, rows, self._stream)
 
     def sampled_logprobs(self, logits: torch.Tensor, rows: np.ndarray,
                          tokens: torch.Tensor, pending: PendingLogprobs | None = None
                          ) -> LogprobReport | None:
-        """`raw_logprobs` and `report` in one go, after sampling, from the raw `logits` (no
-        control or mask changed them: `apply` with `keep_raw` edits a copy): on a GPU the
-        kernels then write the sampled tokens' column too. `pending`: what `begin_logprobs`
-        launched for these logits (its second half follows). None if no row asks."""
+        """`raw_logprobs` and `report` in one go, after sampling, from the raw `logits` (on a
+        GPU the kernels write the sampled tokens' column too). `pending`: what `begin_logprobs`
+        launched for these logits. None if no row asks."""
         if not uses_kernels(logits):
             raw = self.raw_logprobs(logits, rows)
             return self.report(raw, rows, tokens) if raw is not None else None
@@ -439,11 +438,6 @@ class LogitControls:
             sel.record_stream(stream)
         return PendingLogprobs(wanted, sel, top, buffers, stream)
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
-
     def _reporting(self, logits: torch.Tensor, rows: np.ndarray
                    ) -> tuple[np.ndarray, torch.Tensor, int] | None:
         """The batch indices of the rows that report log-probabilities, their logits and the
@@ -461,8 +455,7 @@ class LogitControls:
 
     def _logprob_buffers(self, rows: int, top: int) -> _LogprobBuffers:
         """The kernels' table and working memory for `rows` rows and `top` tokens, kept between
-        steps (the steps run in order on one stream: a step's table is copied to the host
-        before the next step writes it)."""
+        steps (a step's table is copied to the host before the next step writes it)."""
         buffers = self._lp_buffers.get((rows, top))
         if buffers is None:
             if len(self._lp_buffers) >= 64:  # many batch shapes in a row: start over
@@ -474,11 +467,10 @@ class LogitControls:
     def apply(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor,
               next_positions: torch.Tensor, seq_lens: np.ndarray, keep_raw: bool = False,
               leave_floor: bool = False) -> tuple[torch.Tensor, MinPFloor | None]:
-        """The edits (`EDITS`) on `logits` [bs, vocab], in order. Returns the logits to sample
-        from: `logits` edited in place, or with `keep_raw` an edited copy (`logits` then stay
-        raw for the log-probabilities); and, with `leave_floor`, min_p's floor where the
-        kernels left it to sampling (`kernels.sampling.MinPFloor`: the sampler applies it),
-        else None. The other arguments are `BatchRows`' fields."""
+        """The edits (`EDITS`) on `logits` [bs, vocab], in order: the logits to sample from
+        (edited in place, or with `keep_raw` an edited copy) and, with `leave_floor`, min_p's
+        floor where the kernels left it to the sampler, else None. The other arguments are
+        `BatchRows`' fields."""
         if uses_kernels(logits):  # one kernel; min_p's floor in a second or in sampling's
             from kernels.logit_edits import apply_edits
 
@@ -648,9 +640,8 @@ def _widen(old: torch.Tensor | None, shape: tuple[int, ...], fill: int,
 
 @dataclass(frozen=True)
 class LogitEdit:
-    """One edit of a step's logits, defined once: the rows that use it (a host flag per table
-    row) and its torch reference; its Triton side is its flag in the edit kernel, which applies
-    a row's edits in one pass (`kernels.logit_edits.EDIT_FLAGS`, in this table's order)."""
+    """One edit of a step's logits: the rows that use it (a host flag per table row) and its
+    torch reference; its Triton side is its flag in the edit kernel (`EDIT_FLAGS`, in order)."""
 
     uses: Callable[[LogitControls], np.ndarray]
     torch_ref: Callable[[LogitControls, torch.Tensor, BatchRows, np.ndarray], None]

@@ -175,17 +175,14 @@ class Engine:
         set_global_ctx(self.ctx)
         self.timeline = StepTimeline.from_env(self.device)  # MINISGL_STEP_TIMES_DIR
         self.graph_runner: CudaGraphRunner | None = None
-        if self._use_cuda_graphs():
+        # MoE layers need the fused Triton path: the torch one reads expert ids on the host.
+        if (self.device.type == "cuda" and config.cuda_graph_max_bs > 0
+                and self.attn_backend.supports_cuda_graph
+                and (self.model_config.num_experts == 0 or has_triton())):
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
                 min(config.cuda_graph_max_bs, config.max_samples), self.page_table,
                 self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size)
-
-    def _use_cuda_graphs(self) -> bool:
-        # MoE layers need the fused Triton path: the torch one reads expert ids on the host.
-        moe_ok = self.model_config.num_experts == 0 or has_triton()
-        return (self.device.type == "cuda" and self.config.cuda_graph_max_bs > 0
-                and self.attn_backend.supports_cuda_graph and moe_ok)
 
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""
@@ -350,8 +347,7 @@ class Engine:
 
     def _admit(self, msg: StepMessage) -> None:
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
-        self.row_pages[rows] = 0
-        self.row_len[rows] = 0
+        self.row_pages[rows] = self.row_len[rows] = 0
         self.row_long[rows] = False
         self.controls.admit(msg)
 

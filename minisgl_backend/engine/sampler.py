@@ -112,11 +112,8 @@ def _mix32(x: IntArray) -> IntArray:
 
 
 def seeded_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Return one float64 uniform number in (0, 1) per row, a pure function of (seed, position).
-
-    `seed` holds 64-bit seeds as int64 bit patterns and `position` int64 positions; both halves
-    of each are mixed in. Only exact integer ops are used, so every device gives the same bits.
-    """
+    """One float64 uniform number in (0, 1) per row, a pure function of (seed, position)
+    (int64 bit patterns); exact integer ops only, so every device gives the same bits."""
     h = _hash32(seed.to(torch.int64), position.to(device=seed.device, dtype=torch.int64))
     return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
 
@@ -144,9 +141,8 @@ def _sample_unsorted(scaled_logits: torch.Tensor, uniform: torch.Tensor) -> torc
     return ids.clamp_(max=scaled_logits.shape[1] - 1)
 
 
-def _sample_sorted(
-    sorted_logits: torch.Tensor, params: SamplingTensors, uniform: torch.Tensor
-) -> torch.Tensor:
+def _sample_sorted(sorted_logits: torch.Tensor, params: SamplingTensors,
+                   uniform: torch.Tensor) -> torch.Tensor:
     """Pick a rank into each row of descending-sorted scaled logits; returns [bs, 1] int64."""
     bs, vocab = sorted_logits.shape
     device = sorted_logits.device
@@ -175,15 +171,10 @@ def _sample_sorted(
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """Sample one token id per row of `logits` [bs, vocab] (any float dtype, computed in
-    float32); returns [bs] int64.
-
-    Greedy rows (temperature 0) get exactly `torch.argmax`. Other rows sample from
-    softmax(logits / temperature) restricted to the top-k logits, then to the top-p nucleus of
-    the renormalized distribution, using `seeded_uniform(seed, position)`; rows without top-k
-    / top-p need no sort (inverse CDF in token-id order). On a GPU, batches without top-k /
-    top-p go through the Triton kernels (`kernels.sampling`) instead.
-    """
+    """One token id per row of `logits` [bs, vocab], [bs] int64: the argmax for greedy rows
+    (temperature 0), else softmax(logits / temperature) cut to top-k then top-p, drawn with
+    `seeded_uniform(seed, position)`. On a GPU, batches without top-k / top-p take the Triton
+    kernels (`kernels.sampling`)."""
     if params.all_greedy:
         return greedy(logits, params.min_p)
     if params.in_kernel(logits):
