@@ -50,9 +50,8 @@ class Guide:
     def followed(self, token: int) -> None:
         """The matcher accepted `token` (the only way its state moves for good: drafts are
         rolled back)."""
-        # A matcher with stop ids ends only by accepting one of them (xgrammar's
-        # terminate_without_stop_token is off then: `new_matcher`), so no FFI call is needed to
-        # know that any other token leaves it open.
+        # A matcher with stop ids ends only by accepting one (`new_matcher`): no FFI call is
+        # needed to know that any other token leaves it open.
         self._finished = None if token in self._stops or not self._stops else False
 
     def forced_tokens(self) -> list[int]:
@@ -105,10 +104,9 @@ def accept_tokens(guides: list[Guide], tokens: list[int]) -> list[bool]:
 
 
 def batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
-    """xgrammar's batch accept. Its own wrapper reads the result array one element at a time
-    through tvm_ffi, which costs as much as the accepts themselves. A masked
-    row cannot sample a token its grammar rejects, so one containment test (one call; the
-    elements are ints, and tvm_ffi's equality does not take False for 0) usually answers."""
+    """xgrammar's batch accept, without its wrapper's per-element reads of the result (as
+    costly as the accepts): a masked row cannot sample a rejected token, so one containment
+    test (the elements are ints: tvm_ffi's equality does not take False for 0) usually answers."""
     from xgrammar.base import _core  # the wrapper's own entry point (xgrammar is pinned)
 
     result = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers],
@@ -133,10 +131,9 @@ PARALLEL_FILL_ROWS = 128
 
 
 def fill_threads(rows: int) -> int:
-    """Threads of a scheduler thread's mask fill of `rows` rows: one below PARALLEL_FILL_ROWS
-    (handing fewer rows to threads costs more than it saves), else half
-    the CPUs this process may use, at most FILL_THREADS_MAX (xgrammar's own default, half of
-    the host's cores, may be dozens in a container holding a share of a large host)."""
+    """Threads of a mask fill of `rows` rows: one below PARALLEL_FILL_ROWS (threads cost more
+    than they save), else half the CPUs this process may use, at most FILL_THREADS_MAX
+    (xgrammar's default, half of the host's cores, may be dozens in a container)."""
     if rows < PARALLEL_FILL_ROWS:
         return 1
     return max(1, min(FILL_THREADS_MAX, usable_cpus() // 2))

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minisgl_backend.models.architectures import (
-    SUPPORTED_ARCHITECTURES,
-    ArchSpec,
-    check_unsupported_fields,
-)
+from minisgl_backend.models.architectures import (SUPPORTED_ARCHITECTURES, ArchSpec,
+                                                  check_unsupported_fields)
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -82,11 +79,8 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     def window(self, layer_id: int) -> int:
         """Tokens a query of this layer attends to, itself included (0: all before it)."""
@@ -102,11 +96,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-            raise ValueError(
-                f"unsupported model architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {supported}"
-            )
+            raise ValueError(f"unsupported model architecture {archs or raw.get('model_type')!r}; "
+                             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
         spec = SUPPORTED_ARCHITECTURES[arch]
         text = {**raw, **raw["text_config"]} if spec.text_config else raw
         check_unsupported_fields(text, spec)

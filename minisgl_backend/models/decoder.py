@@ -14,11 +14,8 @@ from minisgl_backend.core import Context, get_global_ctx
 from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_backend.layers.fast_ops import gelu_tanh_and_mul, silu_and_mul, use_triton_kernels
-from minisgl_backend.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from minisgl_backend.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                           RowParallelLinear)
 from minisgl_backend.layers.moe import MoEMLP
 from minisgl_backend.layers.norm import GemmaRMSNorm, RMSNorm
 from minisgl_backend.layers.rotary import RotaryEmbedding
@@ -30,10 +27,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            config.qkv_bias,
-        )
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads,
+                                          config.num_kv_heads, config.head_dim, config.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
                                         config.o_bias)
         norm = _norm_class(config)
@@ -101,9 +96,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, gelu_tanh: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size]
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_and_mul = gelu_tanh_and_mul if gelu_tanh else silu_and_mul
 
@@ -112,9 +105,7 @@ class GatedMLP(nn.Module):
 
 
 # Layers with at most this many projection weights take the fused few-rows GEMVs: folding the
-# norms and activations in pays on small layers (Qwen3-0.6B's 16M weights), while cuBLAS reads
-# big weights (Llama-3.1-8B's 218M) faster than kernels/gemv.py. The bound stays near the
-# smallest size known to win.
+# norms and activations in pays on small layers; cuBLAS reads big weights faster.
 FUSED_GEMV_MAX_LAYER_WEIGHTS = 32 * 2**20
 
 
@@ -124,10 +115,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_id)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_id):
-            self.mlp = MoEMLP(
-                config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                config.num_experts_per_tok, config.norm_topk_prob,
-            )
+            self.mlp = MoEMLP(config.hidden_size, config.moe_intermediate_size,
+                              config.num_experts, config.num_experts_per_tok,
+                              config.norm_topk_prob)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.gemma)
         norm = _norm_class(config)
@@ -149,10 +139,8 @@ class DecoderLayer(nn.Module):
         return sum(p.weight.numel() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                               mlp.down_proj))
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-        rope: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(x, residual)` in and out: the layer's input is their sum (`residual=None`: x)."""
         if self._takes_fused_gemvs(x):
             return self._forward_fused_gemvs(x, residual, positions, rope)
@@ -172,10 +160,9 @@ class DecoderLayer(nn.Module):
         return (self.fused_gemv_fits and 0 < x.shape[0] <= ctx.fused_gemv_max_rows
                 and ctx.batch.is_decode)
 
-    def _forward_fused_gemvs(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-        rope: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, None]:
+    def _forward_fused_gemvs(self, x: torch.Tensor, residual: torch.Tensor | None,
+                             positions: torch.Tensor, rope: RotaryEmbedding
+                             ) -> tuple[torch.Tensor, None]:
         """The same layer for a few rows in four GEMV kernels: each norm is folded into the
         projection after it, SiLU-and-mul into down_proj, each residual add into the projection
         before it. The residual stream travels whole in x (tensor parallelism off: with it the

@@ -152,9 +152,8 @@ class WeightLoader:
         if fused in self.reader:  # Phi-3: [gate; up] rows in one tensor
             return torch.cat([self.reader.rows(fused, start, stop),
                               self.reader.rows(fused, size + start, size + stop)])
-        gate = self.reader.rows(f"{prefix}.gate_proj.weight", start, stop)
-        up = self.reader.rows(f"{prefix}.up_proj.weight", start, stop)
-        return torch.cat([gate, up])
+        return torch.cat([self.reader.rows(f"{prefix}.{part}_proj.weight", start, stop)
+                          for part in ("gate", "up")])
 
     def _row_parallel(self, m: re.Match[str]) -> torch.Tensor:
         name = self.checkpoint_name(f"{m.group(1)}.{m.group(2)}.weight")
@@ -181,10 +180,8 @@ class WeightLoader:
     def _experts_w2(self, m: re.Match[str]) -> torch.Tensor:
         start, stop = _split(self.config.moe_intermediate_size)
         base = f"{self._moe(m.group(1))}.experts"
-        return torch.stack([
-            self.reader.cols(f"{base}.{e}.{self.down_name}.weight", start, stop)
-            for e in range(self.config.num_experts)
-        ])
+        return torch.stack([self.reader.cols(f"{base}.{e}.{self.down_name}.weight", start, stop)
+                            for e in range(self.config.num_experts)])
 
     def _vocab(self, m: re.Match[str]) -> torch.Tensor:
         name = self.checkpoint_name(m.group(0))
@@ -220,9 +217,8 @@ def _text_prefixes(reader: CheckpointReader) -> tuple[str, str]:
     return "model.", "lm_head."
 
 
-def load_weights(
-    model: torch.nn.Module, model_dir: str | Path, device: torch.device, dtype: torch.dtype
-) -> None:
+def load_weights(model: torch.nn.Module, model_dir: str | Path, device: torch.device,
+                 dtype: torch.dtype) -> None:
     """Replace every (meta) parameter of `model` with its checkpoint slice on `device`; fail
     naming any checkpoint tensor the model would leave unused."""
     config: ModelConfig = model.config  # type: ignore[assignment]
@@ -232,10 +228,8 @@ def load_weights(
         for name, param in model.state_dict().items():
             tensor = loader.load(name).to(device=device, dtype=dtype)
             if tensor.shape != param.shape:
-                raise ValueError(
-                    f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
+                raise ValueError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
             state[name] = tensor
         unused = loader.unused()
     if unused:
