@@ -30,15 +30,9 @@ from typing import Any
 from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.collector import collector_pauses
 from minisgl_backend.benchmark.tokenizer import tokenizer_name
-from minisgl_backend.benchmark.workloads import (
-    Workload,
-    anchor_workload,
-    chat_text,
-    fixed_workload,
-    random_tokens,
-    shared_prefix_workload,
-    text_workload,
-)
+from minisgl_backend.benchmark.workloads import (Workload, anchor_workload, chat_text,
+                                                 fixed_workload, random_tokens,
+                                                 shared_prefix_workload, text_workload)
 
 HEADER = ("run", "detokenize", "requests", "input tokens", "output tokens", "total s",
           "output tok/s", "prompt cache hits", "vs first")

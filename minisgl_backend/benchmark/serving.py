@@ -33,12 +33,8 @@ from typing import Any
 
 from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.offline import add_workload_args, make_workload
-from minisgl_backend.benchmark.tritonserver import (
-    REPO_ROOT,
-    Tritonserver,
-    set_parameters,
-    triton_environment,
-)
+from minisgl_backend.benchmark.tritonserver import (REPO_ROOT, Tritonserver, set_parameters,
+                                                    triton_environment)
 from minisgl_backend.benchmark.workloads import Workload, fixed_workload
 
 HEADER = ("concurrency", "path", "requests", "output tokens", "seconds", "output tok/s",

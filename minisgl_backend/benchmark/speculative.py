@@ -22,13 +22,8 @@ from typing import Any
 
 from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.hardware import measure_roofline
-from minisgl_backend.benchmark.workloads import (
-    Workload,
-    chat_text,
-    fixed_workload,
-    repeat_text,
-    text_workload,
-)
+from minisgl_backend.benchmark.workloads import (Workload, chat_text, fixed_workload, repeat_text,
+                                                 text_workload)
 from minisgl_backend.models import ModelConfig
 
 HEADER = ("workload", "batch", "config", "tokens", "decode tok/s", "vs off", "acceptance",
