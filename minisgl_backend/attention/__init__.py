@@ -12,7 +12,6 @@ from minisgl_backend.kvcache.pool import PagedKVPool
 from minisgl_backend.settings import ATTENTION_BACKENDS
 
 
-
 def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -33,10 +32,9 @@ def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "triton" if has_triton else "torch"
 
 
-def create_attention_backend(
-    name: str, kv_pool: PagedKVPool, num_heads: int, head_dim: int, device: torch.device,
-    max_pages_per_request: int = 0,
-) -> AttentionBackend:
+def create_attention_backend(name: str, kv_pool: PagedKVPool, num_heads: int, head_dim: int,
+                             device: torch.device, max_pages_per_request: int = 0
+                             ) -> AttentionBackend:
     """`"auto"` picks the fastest backends available on `device` (see `auto_backend`);
     `"PREFILL,DECODE"` (e.g. "flashinfer,triton") uses one backend per phase.
     `max_pages_per_request` sizes the CUDA-graph index buffers of backends that need them."""

@@ -150,10 +150,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend)))
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch, window: int = 0,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: Batch, window: int = 0) -> torch.Tensor:
         if k is not None:
             self.kv_pool.store(layer_id, batch.out_slots, k, v)
         kv = (self.kv_pool.buffer[0, layer_id], self.kv_pool.buffer[1, layer_id])
@@ -195,10 +193,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_indices_buffer=self.graph_indices,
             paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
 
-    def _graph_window_wrapper(self, bs: int, window: int) -> Any:
-        return _cached(self.graph_window_wrappers, (bs, window),
-                       lambda: self._new_graph_wrapper(bs))
-
     def _plan_graph(self, batch: Batch, page_table: torch.Tensor | None) -> None:
         """Plan the graph's wrappers for `batch`: the full-attention one and (at replay) those
         of the windows its capture used."""
@@ -210,8 +204,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             indices = gather_page_indices(page_table, batch.rows, pages, indptr)
         plan = partial(self._plan_decode, indptr, indices, last_page_len)
-        step = FlashInferStep(self.graph_wrappers[bs],
-                              lambda window: self._graph_window_wrapper(bs, window), plan)
+        step = FlashInferStep(self.graph_wrappers[bs], lambda window: _cached(
+            self.graph_window_wrappers, (bs, window), lambda: self._new_graph_wrapper(bs)), plan)
         plan(step.wrapper, -1)
         if page_table is not None:  # replay: the captured kernels read every windowed plan
             for (size, window), wrapper in self.graph_window_wrappers.items():

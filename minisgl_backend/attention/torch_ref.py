@@ -74,10 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = mask[:, None]  # [bs, 1, max_q, max_len]
         batch.attn_metadata = TorchAttnMetadata(kv_slots=slots, kv_mask=mask, q_pos=q_pos)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch, window: int = 0,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: Batch, window: int = 0) -> torch.Tensor:
         if k is not None:
             self.kv_pool.store(layer_id, batch.out_slots, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
@@ -100,12 +98,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """q [b, n, heads, d], k/v [b, L, kv_heads, d], mask [b, 1, n, L] -> [b, n, heads, d].
-
-        torch's SDPA with `enable_gqa` shares each KV head with its group of query heads without
-        copying K/V (what HF transformers uses too)."""
+        """q [b, n, heads, d], k/v [b, L, kv_heads, d], mask [b, 1, n, L] -> [b, n, heads, d]
+        (`enable_gqa` shares each KV head with its query heads without copying K/V)."""
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            scale=self.scale, enable_gqa=q.shape[2] != k.shape[2],
-        )
+            scale=self.scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)

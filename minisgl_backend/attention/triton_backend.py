@@ -16,13 +16,8 @@ from itertools import accumulate
 import torch
 
 from kernels import is_interpreted
-from kernels.decode_attention import (
-    DecodeLaunch,
-    DecodeWorkspace,
-    decode_attention,
-    decode_num_splits,
-    decode_workspace,
-)
+from kernels.decode_attention import (DecodeLaunch, DecodeWorkspace, decode_attention,
+                                      decode_num_splits, decode_workspace)
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import _kv_store_kernel, store_kv
 from minisgl_backend.attention.base import AttentionBackend
@@ -84,22 +79,17 @@ class TritonAttentionBackend(AttentionBackend):
             batch.attn_metadata = TritonAttnMetadata(
                 page_table=page_table, rows=batch.rows, seq_lens=seq_lens, num_splits=splits,
                 workspace=decode_workspace(bs, self.num_heads, self.head_dim, splits,
-                                           self.device),
-            )
+                                           self.device))
             return
         starts = [0, *accumulate(batch.extend_lens)][:-1]
-        # One upload for the three vectors.
         seq_lens, q_starts, extend_lens = stack_to_device(
             [batch.seq_lens, starts, batch.extend_lens], self.device, torch.int32)
         batch.attn_metadata = TritonAttnMetadata(
             page_table=page_table, rows=batch.rows, seq_lens=seq_lens, q_starts=q_starts,
-            extend_lens=extend_lens, max_extend_len=max(batch.extend_lens),
-        )
+            extend_lens=extend_lens, max_extend_len=max(batch.extend_lens))
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
-        batch: Batch, window: int = 0,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: Batch, window: int = 0) -> torch.Tensor:
         k_cache = self.kv_pool.k_cache(layer_id)
         v_cache = self.kv_pool.v_cache(layer_id)
         if k is not None:
@@ -107,18 +97,16 @@ class TritonAttentionBackend(AttentionBackend):
         meta: TritonAttnMetadata = batch.attn_metadata
         page_size = self.kv_pool.page_size
         if batch.is_decode:
-            out = decode_attention(
-                q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
-                page_size=page_size, sm_scale=self.scale, num_splits=meta.num_splits,
-                workspace=meta.workspace, launch=self.decode_launch, window=window,
-            )
+            out = decode_attention(q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
+                                   page_size=page_size, sm_scale=self.scale,
+                                   num_splits=meta.num_splits, workspace=meta.workspace,
+                                   launch=self.decode_launch, window=window)
         else:
             assert meta.q_starts is not None and meta.extend_lens is not None
-            out = extend_attention(
-                q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens, meta.q_starts,
-                meta.extend_lens, max_extend_len=meta.max_extend_len, page_size=page_size,
-                sm_scale=self.scale, window=window,
-            )
+            out = extend_attention(q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
+                                   meta.q_starts, meta.extend_lens,
+                                   max_extend_len=meta.max_extend_len, page_size=page_size,
+                                   sm_scale=self.scale, window=window)
         return out.view(q.shape[0], -1)
 
     # -- CUDA graphs (decode) ---------------------------------------------------------------
@@ -148,8 +136,7 @@ class TritonAttentionBackend(AttentionBackend):
             rows, seq_lens = graph.rows[:bs], graph.seq_lens[:bs]
         batch.attn_metadata = TritonAttnMetadata(
             page_table=page_table, rows=rows, seq_lens=seq_lens,
-            num_splits=self.num_splits(bs), workspace=graph.workspace,
-        )
+            num_splits=self.num_splits(bs), workspace=graph.workspace)
 
     def prepare_for_replay(self, batch: Batch, page_table: torch.Tensor) -> None:
         """Copy this step's rows and lengths into the static buffers, on the device only (no
@@ -186,12 +173,9 @@ class _GraphBuffers:
         dev = backend.device
         # Sized for the largest bs * num_splits(bs) any batch size up to max_bs needs.
         most = max(bs * backend.num_splits(bs) for bs in range(1, max_bs + 1))
-        return _GraphBuffers(
-            max_bs=max_bs,
-            rows=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            workspace=decode_workspace(most, backend.num_heads, backend.head_dim, 1, dev),
-        )
+        return _GraphBuffers(max_bs, torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                             torch.zeros(max_bs, dtype=torch.int32, device=dev),
+                             decode_workspace(most, backend.num_heads, backend.head_dim, 1, dev))
 
     def fill(self, batch: Batch, dummy_row: int) -> None:
         bs = batch.size
