@@ -120,7 +120,8 @@ class StepTrace:
             return
         profiler.__exit__(None, None, None)  # type: ignore[attr-defined]
         self.folder.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.folder / f"{self.name}-trace.json"))  # type: ignore[attr-defined]
+        trace = str(self.folder / f"{self.name}-trace.json")
+        profiler.export_chrome_trace(trace)  # type: ignore[attr-defined]
         averages = profiler.key_averages()  # type: ignore[attr-defined]
         steps = min(self.steps, self.last) - self.first
         (self.folder / f"{self.name}-trace.txt").write_text(

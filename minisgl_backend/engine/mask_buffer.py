@@ -3,9 +3,9 @@ memory (a memfd whose descriptor the scheduler hands each rank once, after READY
 travelling through the pipes: a batch of 64 guided rows over a 152k vocabulary is 1.2 MB a
 step, too much to push through a pipe in the guided step's critical path. On a GPU each rank
 registers the memory with CUDA (page-locked), so a step's masks are copied to the device
-straight from where the scheduler wrote them, without a host copy. Nothing is left behind on disk or in /dev/shm: the memory goes with
-the last process that maps it. The creator keeps its descriptor (closed with the buffer) to
-hand it to each rank (`share`).
+straight from where the scheduler wrote them, without a host copy. Nothing is left behind on
+disk or in /dev/shm: the memory goes with the last process that maps it. The creator keeps its
+descriptor (closed with the buffer) to hand it to each rank (`share`).
 
 After the masks, an int64 "ready word": the scheduler writes into it the `mask_seq` of the
 step whose masks it has just written, and a GPU rank's stream waits for that value before it
