@@ -143,10 +143,17 @@ def validate(instance: Any) -> None:
         object.__setattr__(instance, name, value)
 
 
-def markdown_table(cls: type) -> str:
-    """The spec'd fields of `cls` as a README table: name, default, accepted values, meaning."""
-    lines = ["| field | default | accepted | meaning |", "|---|---|---|---|"]
-    for name, (spec, default) in specs_of(cls).items():
-        accepted = spec.describe()
-        lines.append(f"| `{name}` | `{default!r}` | {accepted} | {spec.doc} |")
+_WHERE = {"both": "both", "offline": "`LLM`", "triton": "Triton"}
+
+
+def markdown_table(specs: dict[str, tuple[Spec, Any]], first: str = "field",
+                   where: bool = False) -> str:
+    """Spec'd fields (`specs_of`) as a README table: name, default, accepted values, (with
+    `where`: which front door reads it), meaning."""
+    columns = [first, "default", "accepted", *(["where"] if where else []), "meaning"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for name, (spec, default) in specs.items():
+        cells = [f"`{name}`", f"`{default!r}`", spec.describe(),
+                 *([_WHERE[spec.where]] if where else []), spec.doc]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

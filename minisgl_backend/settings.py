@@ -149,13 +149,3 @@ def shipped_text(spec: Spec) -> str:
     if spec.shipped is None:
         return ""
     return str(spec.shipped).lower() if isinstance(spec.shipped, bool) else str(spec.shipped)
-
-
-def settings_table(specs: dict[str, tuple[Spec, Any]]) -> str:
-    """The README's table of settings: name, default, accepted values, where, meaning."""
-    lines = ["| setting | default | accepted | where | meaning |", "|---|---|---|---|---|"]
-    for name, (spec, default) in specs.items():
-        where = {"both": "both", "offline": "`LLM`", "triton": "Triton"}[spec.where]
-        lines.append(f"| `{name}` | `{default!r}` | {spec.describe()} | {where} | {spec.doc} |")
-    return "\n".join(lines)
-

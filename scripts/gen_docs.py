@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 from minisgl_backend.core import SamplingParams
-from minisgl_backend.fields import markdown_table
+from minisgl_backend.fields import markdown_table, specs_of
 from minisgl_backend.serving.interface import OUTPUTS, inputs_of
 from minisgl_backend.serving.settings import triton_parameters
-from minisgl_backend.settings import settings_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -37,8 +36,8 @@ def triton_outputs() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"sampling-params": lambda: markdown_table(SamplingParams),
-          "settings": lambda: settings_table(triton_parameters()),
+TABLES = {"sampling-params": lambda: markdown_table(specs_of(SamplingParams)),
+          "settings": lambda: markdown_table(triton_parameters(), "setting", where=True),
           "triton-inputs": triton_inputs, "triton-outputs": triton_outputs}
 
 
