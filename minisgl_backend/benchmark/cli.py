@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import shlex
@@ -22,6 +23,8 @@ import torch
 from minisgl_backend.benchmark.shapes import SHAPES, describe, shape_config, write_config
 from minisgl_backend.benchmark.tokenizer import TOKENIZERS_DIR, write_tokenizer
 from minisgl_backend.engine.config import EngineConfig, resolve_dtype
+from minisgl_backend.fields import Spec, specs_of
+from minisgl_backend.settings import EngineSettings, parse_text
 
 if TYPE_CHECKING:
     from minisgl_backend import LLM
@@ -45,37 +48,29 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_llm_args(parser: argparse.ArgumentParser) -> None:
-    """Engine settings, passed to `LLM` only when given (its defaults otherwise)."""
+    """Every engine setting (`EngineSettings`) as an option of its name (`--page-size 16`,
+    `--overlap false`), checked as the Triton parameters are; passed to `LLM` only when given.
+    `load_format` follows from --model / --shape."""
     group = parser.add_argument_group("engine settings")
-    group.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    group.add_argument("--dtype", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, ...")
-    group.add_argument("--tp-size", type=int)
-    group.add_argument("--page-size", type=int)
-    group.add_argument("--max-running-requests", type=int)
-    group.add_argument("--chunked-prefill-size", type=int)
-    group.add_argument("--max-total-tokens", type=int,
-                       help="KV pool size in tokens (default: what fits the device)")
-    group.add_argument("--cache", choices=("radix", "naive"))
-    group.add_argument("--attention-backend")
-    group.add_argument("--cuda-graph-max-bs", type=int,
-                       help="decode batches up to this size replay CUDA graphs; 0: off")
-    group.add_argument("--no-overlap", action="store_true", help="turn overlap scheduling off")
-    group.add_argument("--fused-gemv-max-bs", type=int,
-                       help="decode batches up to this size run fused few-rows GEMVs; 0: off")
+    for name, (spec, default) in specs_of(EngineSettings).items():
+        if name != "load_format":
+            group.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
+                               type=functools.partial(_setting, name, spec),
+                               help=f"{spec.doc} (default {default!r})".replace("%", "%%"))
 
 
-_LLM_OPTIONS = ("device", "dtype", "tp_size", "page_size", "max_running_requests",
-                "chunked_prefill_size", "max_total_tokens", "cache", "attention_backend",
-                "cuda_graph_max_bs", "fused_gemv_max_bs")
+def _setting(name: str, spec: Spec, text: str) -> Any:
+    try:
+        return parse_text(name, spec, text)
+    except ValueError as exc:  # argparse shows this message, naming the setting
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the options (random weights with --shape);
     `overrides` win."""
-    kwargs = {name: getattr(args, name) for name in _LLM_OPTIONS
+    kwargs = {name: getattr(args, name) for name in specs_of(EngineSettings)
               if getattr(args, name, None) is not None}
-    if getattr(args, "no_overlap", False):
-        kwargs["overlap"] = False
     if getattr(args, "shape", None):
         kwargs["load_format"] = "dummy"
     return {**kwargs, **overrides}
