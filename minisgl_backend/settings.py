@@ -61,6 +61,14 @@ class EngineSettings:
         "on a GPU, the torch reference on CPU; or a backend (`torch`, `triton`, "
         "`flashinfer`), or `PREFILL,DECODE`", normalize=_attention_backend,
         accepts="'auto', a backend name or 'PREFILL,DECODE'")
+    quantization: str = spec_field(
+        "auto", "str", "`auto`: the checkpoint's own scheme (bf16 or one of the FP8 formats); "
+        "`fp8`: a bf16 checkpoint's linear layers are quantized to FP8 at load (weights per "
+        "output channel, activations per token)", choices=("auto", "fp8"))
+    kv_cache_dtype: str = spec_field(
+        "auto", "str", "`auto`: the model's dtype; `fp8_e4m3` (alias `fp8`): the KV pool stores "
+        "FP8 with per-layer scales (the checkpoint's, else 1.0), twice the tokens in the same "
+        "memory", choices=("auto", "fp8", "fp8_e4m3"))
     load_format: str = spec_field(
         "auto", "str", "`dummy`: random weights from `config.json` alone (benchmarks of real "
         "shapes)", choices=("auto", "dummy"))

@@ -42,6 +42,9 @@ class Attention(nn.Module):
         window = config.window(layer_id)
         # Full-attention layers make the plain backend call (windows cost them nothing).
         self.backend_kwargs = {"window": window} if window else {}
+        # Scales of an FP8 KV cache (stored = value / scale): the checkpoint's, else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # The backends scale scores by head_dim ** -0.5; another scale is folded into q.
         scalar = config.query_pre_attn_scalar
         self.q_scale = (config.head_dim / scalar) ** 0.5 \
