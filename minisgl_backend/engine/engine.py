@@ -151,7 +151,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, device_type, self.model_config.torch_dtype)
         free_before = self._free_memory()
         self.model = create_model(config.model_dir, self.model_config, self.device, self.dtype,
-                                  load_format=config.load_format)
+                                  load_format=config.load_format,
+                                  quantization=config.quantization)
         self.page_size = config.page_size
         self.num_pages = self._decide_num_pages(free_before)
         mc = self.model_config
