@@ -3,6 +3,10 @@
 Weights are created with their per-rank (local) shape; `models/weights.py` fills them with the
 right slice of the checkpoint. Column-parallel layers need no communication; row-parallel ones
 sum the partial products with one all-reduce.
+
+A parallel layer may hold its weight in FP8 (`to_fp8`, applied by `quantization/model.py`
+before loading): e4m3 values, a float32 scale per output channel or per block, and for static
+schemes one input scale.
 """
 
 from __future__ import annotations
@@ -20,8 +24,37 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ParallelLinear(nn.Module):
+    """What the column- and row-parallel layers share: `weight` [out, in] multiplied in the
+    model's dtype or, after `to_fp8`, as FP8."""
+
+    weight: nn.Parameter
+    fp8 = False
+    block: tuple[int, int] | None = None  # the FP8 weight's scale block (None: per channel)
+
+    def to_fp8(self, block: tuple[int, int] | None, static_input: bool) -> None:
+        """Hold the weight as FP8 from now on (on the meta device, before loading)."""
+        out_features, in_features = self.weight.shape
+        self.fp8, self.block = True, block
+        self.weight = _param(out_features, in_features, dtype=torch.float8_e4m3fn)
+        scale_shape = (-(-out_features // block[0]), -(-in_features // block[1])) if block \
+            else (out_features, 1)
+        self.weight_scale = _param(*scale_shape, dtype=torch.float32)
+        # The static input scale (None: inputs quantized per token).
+        self.register_parameter("input_scale",
+                                _param(1, dtype=torch.float32) if static_input else None)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.fp8:
+            return F.linear(x, self.weight, bias)
+        from minisgl_backend.quantization.fp8_ops import fp8_linear
+
+        return fp8_linear(x, self.weight, self.weight_scale, block=self.block,
+                          input_scale=self.input_scale, bias=bias)
 
 
 class ReplicatedLinear(nn.Module):
@@ -35,7 +68,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(ParallelLinear):
     """Several column-parallel outputs in one GEMM (gate and up of the MLP).
 
     Each part is split along its output dimension; the local weight is the concatenation of
@@ -49,10 +82,10 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight = _param(sum(self.local_sizes), in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(ParallelLinear):
     """q, k and v projections in one GEMM, split by heads, GQA-aware.
 
     Ranks split the KV heads, and each rank keeps the query heads that attend to its KV heads.
@@ -77,7 +110,7 @@ class QKVParallelLinear(nn.Module):
         self.bias = _param(out) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.split(F.linear(x, self.weight, self.bias))
+        return self.split(self.matmul(x, self.bias))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v parts (views) of this layer's output."""
@@ -85,7 +118,7 @@ class QKVParallelLinear(nn.Module):
         return q, k, v
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """Split along the input dimension; the partial outputs are summed over ranks. The bias
     (whole on every rank) is added once, after the sum."""
 
@@ -96,5 +129,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None or get_tp_info().size == 1:
-            return all_reduce(F.linear(x, self.weight, self.bias))
-        return all_reduce(F.linear(x, self.weight)) + self.bias
+            return all_reduce(self.matmul(x, self.bias))
+        return all_reduce(self.matmul(x)) + self.bias

@@ -13,19 +13,27 @@ LOAD_FORMATS = ("auto", "dummy")
 
 def create_model(
     model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-    *, load_format: str = "auto",
+    *, load_format: str = "auto", quantization: str = "auto",
 ) -> torch.nn.Module:
     """Build the model on the meta device (no memory), then fill this rank's weights.
 
     `load_format="auto"` reads them from the checkpoint in `model_dir`; "dummy" opens no file
     and fills them with seeded random values on `device` (benchmarks of real shapes).
+    `quantization`: "auto" follows the checkpoint's `quantization_config`; "fp8" quantizes a
+    full-precision one at load (`quantization/config.py`). The scheme is `model.quant_scheme`.
     """
     from minisgl_backend.models.decoder import CausalLM
+    from minisgl_backend.quantization.config import resolve_scheme
+    from minisgl_backend.quantization.model import quantize_model
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    scheme = resolve_scheme(model_dir, quantization)
     with torch.device("meta"):
         model = CausalLM(config)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    model.quant_scheme = scheme
     if load_format == "dummy":
         from minisgl_backend.models.dummy import fill_dummy_weights
 
@@ -33,7 +41,7 @@ def create_model(
     else:
         from minisgl_backend.models.weights import load_weights
 
-        load_weights(model, model_dir, device, dtype)
+        load_weights(model, model_dir, device, dtype, scheme)
     model.move_rope_to(device)
     return model.eval()
 

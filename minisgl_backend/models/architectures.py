@@ -66,7 +66,6 @@ def _is_one(value: Any) -> bool:
 # field -> (accepts its value?, what the accepted values are). Every field here changes what
 # the model computes; training-only fields (dropouts, router jitter, pretraining_tp) do not.
 _COMMON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "quantization_config": (_is_none, "quantized checkpoints are not supported"),
     "mlp_bias": (_is_false, "MLP biases are not implemented"),
     "partial_rotary_factor": (_is_one, "only full-width RoPE (1.0) is implemented"),
     "attn_logit_softcapping": (_is_none, "attention logit soft-capping is not implemented"),

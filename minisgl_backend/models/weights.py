@@ -14,6 +14,7 @@ computes with (a bias, say) is dropped without a word.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,6 +26,9 @@ from safetensors import safe_open
 from minisgl_backend.distributed import get_tp_info
 from minisgl_backend.layers.embedding import vocab_shard
 from minisgl_backend.models.config import ModelConfig
+from minisgl_backend.quantization.config import QuantScheme
+from minisgl_backend.quantization.fp8 import FP8
+from minisgl_backend.quantization.model import fp8_projections, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,10 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_towe
 # Where a multimodal checkpoint keeps the text model's `model.` and `lm_head.` tensors.
 TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head."),
                  ("model.language_model.", "lm_head."))
+
+
+# The layers split by input columns, and their FP8 scales.
+ROW_PARALLEL = re.compile(r"(.*)\.(o_proj|down_proj)\.(weight|weight_scale|input_scale)$")
 
 
 class CheckpointReader:
@@ -75,6 +83,16 @@ class CheckpointReader:
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._slice(name)[:, start:stop]
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """A whole tensor (of any rank, scalars included)."""
+        self._slice(name)
+        return self._handles[name].get_tensor(name)
+
+    def numel(self, name: str) -> int:
+        if name not in self._handles:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return math.prod(self._handles[name].get_slice(name).get_shape())
+
 
 def _split(size: int) -> tuple[int, int]:
     """This rank's [start, stop) of a dimension split evenly over the ranks."""
@@ -95,17 +113,20 @@ def _kv_head_range(config: ModelConfig) -> tuple[int, int]:
 class WeightLoader:
     """Builds each local parameter tensor from its checkpoint name(s)."""
 
-    def __init__(self, config: ModelConfig, reader: CheckpointReader) -> None:
+    def __init__(self, config: ModelConfig, reader: CheckpointReader,
+                 scheme: QuantScheme | None = None) -> None:
         self.config = config
         self.reader = reader
+        self.scheme = scheme
         self.model_prefix, self.head_prefix = _text_prefixes(reader)
         spec = config.spec
         self.moe_block = spec.moe_block
         self.gate_name, self.up_name, self.down_name = spec.expert_names
         self.rules: list[tuple[re.Pattern[str], Callable[[re.Match[str]], torch.Tensor]]] = [
-            (re.compile(r"(.*)\.qkv_proj\.(weight|bias)$"), self._qkv),
-            (re.compile(r"(.*)\.gate_up_proj\.weight$"), self._gate_up),
-            (re.compile(r"(.*)\.(o_proj|down_proj)\.weight$"), self._row_parallel),
+            (re.compile(r"(.*)\.qkv_proj\.(weight|bias|weight_scale|input_scale)$"), self._qkv),
+            (re.compile(r"(.*)\.gate_up_proj\.(weight|weight_scale|input_scale)$"),
+             self._gate_up),
+            (ROW_PARALLEL, self._row_parallel),
             (re.compile(r"(.*)\.mlp\.w13$"), self._experts_w13),
             (re.compile(r"(.*)\.mlp\.w2$"), self._experts_w2),
             (re.compile(r"(.*)\.mlp\.gate\.weight$"), self._router),
@@ -133,33 +154,109 @@ class WeightLoader:
         c, hd = self.config, self.config.head_dim
         q0, q1 = _split(c.num_heads)
         k0, k1 = _kv_head_range(c)
-        fused = f"{prefix}.qkv_proj.{kind}"
-        if fused in self.reader:  # Phi-3: [q; k; v] rows in one tensor
+        fused = f"{prefix}.qkv_proj"
+        if f"{fused}.weight" in self.reader:  # Phi-3: [q; k; v] rows in one tensor
             k_at, v_at = c.num_heads * hd, (c.num_heads + c.num_kv_heads) * hd
             parts = [(fused, q0 * hd, q1 * hd), (fused, k_at + k0 * hd, k_at + k1 * hd),
                      (fused, v_at + k0 * hd, v_at + k1 * hd)]
         else:
-            parts = [(f"{prefix}.q_proj.{kind}", q0 * hd, q1 * hd),
-                     (f"{prefix}.k_proj.{kind}", k0 * hd, k1 * hd),
-                     (f"{prefix}.v_proj.{kind}", k0 * hd, k1 * hd)]
-        return torch.cat([self.reader.rows(*part) for part in parts])
+            parts = [(f"{prefix}.q_proj", q0 * hd, q1 * hd),
+                     (f"{prefix}.k_proj", k0 * hd, k1 * hd),
+                     (f"{prefix}.v_proj", k0 * hd, k1 * hd)]
+        return self._column(parts, kind)
 
     def _gate_up(self, m: re.Match[str]) -> torch.Tensor:
-        prefix = self.checkpoint_name(m.group(1))
+        prefix, kind = self.checkpoint_name(m.group(1)), m.group(2)
         size = self.config.intermediate_size
         start, stop = _split(size)
-        fused = f"{prefix}.gate_up_proj.weight"
-        if fused in self.reader:  # Phi-3: [gate; up] rows in one tensor
-            return torch.cat([self.reader.rows(fused, start, stop),
-                              self.reader.rows(fused, size + start, size + stop)])
-        return torch.cat([self.reader.rows(f"{prefix}.{part}_proj.weight", start, stop)
-                          for part in ("gate", "up")])
+        fused = f"{prefix}.gate_up_proj"
+        if f"{fused}.weight" in self.reader:  # Phi-3: [gate; up] rows in one tensor
+            parts = [(fused, start, stop), (fused, size + start, size + stop)]
+        else:
+            parts = [(f"{prefix}.{part}_proj", start, stop) for part in ("gate", "up")]
+        return self._column(parts, kind)
+
+    def _column(self, parts: list[tuple[str, int, int]], kind: str) -> torch.Tensor:
+        """A column-parallel tensor made of `parts`: (checkpoint module, first row, row after)
+        of each, in order. FP8 scales follow their weight rows; the parts share the largest
+        static input scale."""
+        if kind == "input_scale":
+            return self._input_scale([module for module, _, _ in parts])
+        if kind == "weight_scale":
+            return torch.cat([self._scale_rows(*part) for part in parts])
+        tensors = [self.reader.rows(f"{module}.{kind}", start, stop)
+                   for module, start, stop in parts]
+        dtypes = {f"{module}.{kind}": t.dtype for (module, _, _), t in zip(parts, tensors)}
+        if len(set(dtypes.values())) > 1:
+            raise ValueError(f"checkpoint tensors merged into one layer differ in dtype: "
+                             f"{dtypes}")
+        return torch.cat(tensors)
 
     def _row_parallel(self, m: re.Match[str]) -> torch.Tensor:
-        name = self.checkpoint_name(f"{m.group(1)}.{m.group(2)}.weight")
+        module, kind, (start, stop) = self._row_parallel_columns(m)
+        if kind == "weight":
+            return self.reader.cols(f"{module}.weight", start, stop)
+        if kind == "input_scale":
+            return self._input_scale([module])
+        assert self.scheme is not None
+        if self.scheme.block:  # split by whole blocks of columns (`quantize_model` checks)
+            bk = self.scheme.block[1]
+            return self.reader.cols(f"{module}.{self.scheme.scale_name}", start // bk,
+                                    -(-stop // bk))
+        return self._scale_rows(module, 0, self.config.hidden_size)
+
+    def _row_parallel_columns(self, m: re.Match[str]) -> tuple[str, str, tuple[int, int]]:
+        """(checkpoint module, tensor kind, this rank's [start, stop) input columns)."""
         full_in = (self.config.num_heads * self.config.head_dim if m.group(2) == "o_proj"
                    else self.config.intermediate_size)
-        return self.reader.cols(name, *_split(full_in))
+        return self.checkpoint_name(f"{m.group(1)}.{m.group(2)}"), m.group(3), _split(full_in)
+
+    def quantized_online(self, name: str, layer: torch.nn.Module,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full-precision weight quantized for an FP8 layer: (e4m3 values, scale). A
+        row-parallel weight is quantized whole and then split, so that each row's scale is the
+        same on every rank (and the same as without tensor parallelism)."""
+        match = ROW_PARALLEL.match(name)
+        if match is None:
+            return quantize_weight(layer, self.load(name).to(device, torch.float32))
+        module, _, (start, stop) = self._row_parallel_columns(match)
+        values, scale = quantize_weight(
+            layer, self.reader.rows(f"{module}.weight").to(device, torch.float32))
+        return values[:, start:stop].contiguous(), scale
+
+    def _scale_rows(self, module: str, start: int, stop: int) -> torch.Tensor:
+        """The FP8 weight scale of rows [start, stop) of `module`'s weight, in the engine's
+        layout: block rows of a block scale, else one scale per row (a per-tensor scale is
+        repeated)."""
+        assert self.scheme is not None
+        name = f"{module}.{self.scheme.scale_name}"
+        if self.scheme.block:
+            bn = self.scheme.block[0]
+            return self.reader.rows(name, start // bn, -(-stop // bn))
+        if self.reader.numel(name) == 1:
+            return self.reader.tensor(name).float().reshape(1, 1).expand(stop - start, 1)
+        return self.reader.rows(name, start, stop).float().reshape(-1, 1)
+
+    def _input_scale(self, modules: list[str]) -> torch.Tensor:
+        scales = [self.reader.tensor(f"{module}.input_scale").float().reshape(())
+                  for module in dict.fromkeys(modules)]
+        return torch.stack(scales).max().reshape(1)
+
+    def kv_scales(self, layer_id: int) -> tuple[float, float] | None:
+        """The checkpoint's FP8 KV-cache scales of a layer (k, v), if it has them: under the
+        attention module (compressed-tensors, fp8), under k_proj / v_proj (ModelOpt), or one
+        `kv_scale` for both."""
+        attn = self.checkpoint_name(f"model.layers.{layer_id}.self_attn")
+        found = []
+        for names in ((f"{attn}.k_scale", f"{attn}.k_proj.k_scale", f"{attn}.kv_scale"),
+                      (f"{attn}.v_scale", f"{attn}.v_proj.v_scale", f"{attn}.kv_scale")):
+            name = next((n for n in names if n in self.reader), None)
+            found.append(None if name is None else float(self.reader.tensor(name).float()))
+        if found[0] is None and found[1] is None:
+            return None
+        if found[0] is None or found[1] is None:
+            raise ValueError(f"{attn}: the checkpoint has only one of the K and V cache scales")
+        return found[0], found[1]
 
     def _moe(self, layer: str) -> str:
         return f"{self.checkpoint_name(layer)}.{self.moe_block}"
@@ -218,22 +315,48 @@ def _text_prefixes(reader: CheckpointReader) -> tuple[str, str]:
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, scheme: QuantScheme | None = None) -> None:
     """Replace every (meta) parameter of `model` with its checkpoint slice on `device`; fail
-    naming any checkpoint tensor the model would leave unused."""
+    naming any checkpoint tensor the model would leave unused. FP8 layers (`quantize_model`)
+    take the checkpoint's FP8 weights and scales as they are, or with an online `scheme`
+    quantize its full-precision weights here."""
     config: ModelConfig = model.config  # type: ignore[assignment]
+    fp8_layers = fp8_projections(model)
     with ExitStack() as stack:
-        loader = WeightLoader(config, CheckpointReader(Path(model_dir), stack, device))
-        state = {}
+        loader = WeightLoader(config, CheckpointReader(Path(model_dir), stack, device), scheme)
+        state: dict[str, torch.Tensor] = {}
         for name, param in model.state_dict().items():
-            tensor = loader.load(name).to(device=device, dtype=dtype)
+            if name in state:  # an online FP8 scale, made with its weight
+                continue
+            layer_name, _, kind = name.rpartition(".")
+            layer = fp8_layers.get(layer_name)
+            if layer is not None and kind == "weight" and scheme is not None and scheme.online:
+                tensor, state[f"{name}_scale"] = loader.quantized_online(name, layer, device)
+            elif layer is not None and kind == "weight":
+                tensor = _fp8_weight(name, loader.load(name), device)
+            elif layer is not None and kind in ("weight_scale", "input_scale"):
+                tensor = loader.load(name).to(device=device, dtype=torch.float32)
+            else:
+                tensor = loader.load(name).to(device=device, dtype=dtype)
             if tensor.shape != param.shape:
                 raise ValueError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
             state[name] = tensor
+        for i, layer in enumerate(model.model.layers):
+            scales = loader.kv_scales(i)
+            if scales is not None:
+                layer.self_attn.k_scale, layer.self_attn.v_scale = scales
         unused = loader.unused()
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         raise ValueError(f"{len(unused)} checkpoint tensor(s) of {str(model_dir)!r} are not used "
                          f"by the {config.architecture} model the config describes: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
+
+
+def _fp8_weight(name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An FP8 layer's weight as the checkpoint stores it (which must be e4m3)."""
+    if tensor.dtype != FP8:
+        raise ValueError(f"checkpoint tensor for {name} is {tensor.dtype}, expected "
+                         f"float8_e4m3fn (the quantization config says this layer is FP8)")
+    return tensor.to(device)
