@@ -214,3 +214,22 @@ def test_fp8_linear_replays_in_a_cuda_graph(device: str, rows: int, scheme: str)
     x.copy_(_activations(rows, 512, seed=10, dtype=torch.bfloat16, device=device))
     graph.replay()
     assert out.equal(fp8_linear(x, w_q, w_scale, block=block))
+
+
+def test_kernel_benchmark_times_the_fp8_gemv_at_the_projection_shapes() -> None:
+    """Llama-3.1-8B's projections; a tiny shape's first case runs each kernel on CPU."""
+    import argparse
+
+    from minisgl_backend.benchmark.kernels import gemv_cases, projection_shapes
+    from minisgl_backend.benchmark.shapes import SHAPES
+
+    assert projection_shapes(SHAPES["llama-3.1-8b"]) == {
+        "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    args = argparse.Namespace(shapes=["tiny-llama"], batch_sizes=[1, 64], calls=2)
+    case, timed = next(gemv_cases(args, torch.device("cpu"), torch.float32))
+    assert case == "tiny-llama qkv 128x64 batch 1"
+    assert list(timed) == ["torch linear", "gemv", "fp8 gemv channel", "fp8 gemv block"]
+    results = [fn() for fn, _ in timed.values()]
+    for out in results[1:]:
+        torch.testing.assert_close(out, results[0], rtol=0.1, atol=0.1)
+    assert [size for _, size in timed.values()] == [4 * 128 * 64] * 2 + [128 * 64] * 2

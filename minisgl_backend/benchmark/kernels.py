@@ -6,9 +6,13 @@
 - sampling: temperature sampling (0.6, no top-k / top-p) from the model's bf16 logits, the
   Triton kernels next to the torch path (which first makes a float32 copy);
 - logprobs: the log-probability statistics (logsumexp and the 5 or 20 most likely tokens)
-  next to torch's log_softmax + topk.
+  next to torch's log_softmax + topk;
+- gemv (only when named in --parts): the shape's projections (qkv, o, gate_up, down) at the
+  batch sizes up to 16, the FP8 GEMV (weights per output channel, and per 128 x 128 block)
+  next to the bf16 GEMV and torch's linear (cuBLAS); GB/s counts the weight bytes. Each
+  captured call reads another copy of the weight, so that the copies outgrow the L2 cache.
 
-GB/s is the bytes a call reads (K/V or logits) over its time, also as a share of
+GB/s is the bytes a call reads (K/V, logits or weights) over its time, also as a share of
 the copy bandwidth measured in the same run (read + write, so a read-only kernel can pass
 100%). On CPU (a smoke test) the Triton kernels run in the interpreter, plain calls timed.
 
@@ -38,12 +42,14 @@ from minisgl_backend.kvcache.pool import PagedKVPool
 
 HEADER = ("part", "case", "kernel", "us/call", "GB/s", "of copy bw")
 PARTS = ("attention", "sampling", "logprobs")
+OPTIONAL_PARTS = ("gemv",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"],
                         choices=sorted(SHAPES))
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS),
+                        choices=PARTS + OPTIONAL_PARTS)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context-lens", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16])
@@ -162,6 +168,56 @@ def logits_cases(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                     x, dim=-1, dtype=torch.float32).topk(k)}, bs * vocab * size
 
 
+def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of a dense decoder layer's projections."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+
+
+def _weight_copies(weight: torch.Tensor, count: int) -> Callable[[], torch.Tensor]:
+    """A function returning `weight` and `count - 1` copies of it in turn."""
+    copies = itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
+    return lambda: next(copies)
+
+
+def gemv_cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+               ) -> Iterator[tuple[str, dict[str, tuple[Callable[[], object], int]]]]:
+    """(case, {kernel: (fn, weight bytes)}) of the few-rows linear layers."""
+    from kernels.fp8_gemv import fp8_gemv
+    from kernels.gemv import MAX_ROWS, fused_gemv
+    from minisgl_backend.quantization import fp8
+
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    block = (128, 128)
+    for shape in args.shapes:
+        for name, (n, k) in projection_shapes(SHAPES[shape]).items():
+            weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+            per_channel = fp8.quantize_per_channel(weight)
+            per_block = fp8.quantize_blocks(weight, block)
+            size = weight.element_size() * n * k
+
+            def cycle(w: torch.Tensor) -> Callable[[], torch.Tensor]:
+                return _weight_copies(w, min(args.calls, 1 + l2 // (w.element_size() * n * k)))
+
+            dense, channel, blocks = cycle(weight), cycle(per_channel[0]), cycle(per_block[0])
+            for bs in [b for b in args.batch_sizes if b <= MAX_ROWS]:
+                x = torch.randn(bs, k, device=device, dtype=dtype)
+                yield f"{shape} {name} {n}x{k} batch {bs}", {
+                    "torch linear": (lambda x=x: torch.nn.functional.linear(x, dense()),
+                                     size),
+                    "gemv": (lambda x=x: fused_gemv(x, dense()), size),
+                    "fp8 gemv channel": (lambda x=x: fp8_gemv(x, channel(), per_channel[1]),
+                                         n * k),
+                    "fp8 gemv block": (lambda x=x: fp8_gemv(x, blocks(), per_block[1],
+                                                            block=block), n * k)}
+            del weight, dense, channel, blocks
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def warm(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for shape, backend, page_size in itertools.product(args.shapes, args.backends,
@@ -198,5 +254,9 @@ def run(args: argparse.Namespace) -> None:
     for part, case, fns, nbytes in logits_cases(args, device, dtype):
         for kernel, fn in fns.items():
             add(part, case, kernel, nbytes, time_per_call(fn, args, device))
+    if "gemv" in args.parts:
+        for case, timed in gemv_cases(args, device, dtype):
+            for kernel, (fn, nbytes) in timed.items():
+                add("gemv", case, kernel, nbytes, time_per_call(fn, args, device))
     cli.report(args, f"each kernel against the other implementation of its case, and the "
                f"copy bandwidth ({copy_bw / 1e12:.3f} TB/s); {dtype}", HEADER, rows)
