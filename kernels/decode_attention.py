@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import attention_dtype, from_cache, is_fp8
 from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 
 LOG2E = math.log2(math.e)
@@ -35,6 +36,7 @@ def _decode_split_kernel(
     o_ptr, part_o_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     window,  # SLIDING: keys at positions >= seq_len - window only
+    k_scale, v_scale,  # FP8_KV: what stored K and V are multiplied by
     stride_q_tok, stride_q_head,
     stride_cache_slot, stride_cache_head,
     stride_pt_row,
@@ -44,6 +46,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,7 +73,8 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
                 + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8_KV:  # (an FP8 pool's K/V are dequantized to q's dtype instead)
+        q = q.to(k_cache_ptr.dtype.element_ty)
     kv_base = kv_head * stride_cache_head
     page_row = page_table_ptr + row * stride_pt_row
 
@@ -94,6 +98,7 @@ def _decode_split_kernel(
         # K is loaded transposed, [BLOCK_D, BLOCK_N], to be the right operand of q @ k.
         k = tl.load(k_cache_ptr + kv_base + slot[None, :] * stride_cache_slot + d[:, None],
                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        k = from_cache(k, k_scale, q.dtype, FP8_KV)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -102,6 +107,7 @@ def _decode_split_kernel(
         denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = from_cache(v, v_scale, q.dtype, FP8_KV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -242,6 +248,8 @@ def decode_attention(
     workspace: DecodeWorkspace | None = None,
     launch: DecodeLaunch | None = None,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [bs, heads, head_dim] attends to its request's first seq_lens[i] tokens -> [bs, heads,
     head_dim] (in q's dtype, or written into `out`); with `window` > 0 to the last `window` of
@@ -252,6 +260,8 @@ def decode_attention(
     rows [bs] and seq_lens [bs] are device integer tensors (a length of 0 gives zeros).
     `workspace` (from `decode_workspace`) avoids allocating the scratch on every call; it must
     hold bs * heads * num_splits partials. `launch`: tiles and schedule (`decode_launch`).
+    An FP8 pool's K/V are read as stored * k_scale / v_scale, in q's dtype; other pools' in
+    their own dtype (q is cast to it), without scales.
     """
     bs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -260,7 +270,8 @@ def decode_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert rows.shape == (bs,) and seq_lens.shape == (bs,)
-    launch = launch or decode_launch(head_dim, k_cache.dtype, num_splits)
+    compute_dtype = attention_dtype(q, k_cache)
+    launch = launch or decode_launch(head_dim, compute_dtype, num_splits)
     block_n = launch.block_n
     assert num_splits >= 1 and block_n >= MIN_DOT and block_n & (block_n - 1) == 0
     if q.stride(2) != 1:
@@ -282,17 +293,18 @@ def decode_attention(
     block_g = max(MIN_DOT, next_power_of_2(group))
     block_d = max(MIN_DOT, next_power_of_2(head_dim))
     block_s = max(2, next_power_of_2(num_splits))
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
+    precision = "ieee" if compute_dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
     _launch_decode_split((bs, kv_heads, num_splits),
         q, k_cache, v_cache, page_table, rows, seq_lens, out, partial_o, partial_lse,
-        sm_scale * LOG2E, window,
+        sm_scale * LOG2E, window, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision,
-        SLIDING=window > 0, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        SLIDING=window > 0, FP8_KV=is_fp8(k_cache), num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _launch_decode_merge((bs, kv_heads),

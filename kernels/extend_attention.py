@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import attention_dtype, from_cache, is_fp8
 from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 
 LOG2E = math.log2(math.e)
@@ -29,11 +30,12 @@ def _extend_kernel(
     rows_ptr, seq_lens_ptr, q_starts_ptr, extend_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     window,  # SLIDING: keys within `window` positions of the query, itself included
+    k_scale, v_scale,  # FP8_KV: what stored K and V are multiplied by
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_slot, stride_cache_head, stride_pt_row,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     block = tl.program_id(1)
@@ -53,7 +55,8 @@ def _extend_kernel(
     tok = q_start + i
     q = tl.load(q_ptr + tok[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8_KV:  # (an FP8 pool's K/V are dequantized to q's dtype instead)
+        q = q.to(k_cache_ptr.dtype.element_ty)
     kv_base = kv_head * stride_cache_head
     page_row = page_table_ptr + row * stride_pt_row
     # Keys up to the block's last query; none for blocks past the request's end (the grid
@@ -77,6 +80,7 @@ def _extend_kernel(
         slot = page * PAGE_SIZE + pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + kv_base + slot[None, :] * stride_cache_slot + d[:, None],
                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        k = from_cache(k, k_scale, q.dtype, FP8_KV)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING:
@@ -91,6 +95,7 @@ def _extend_kernel(
         denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_base + slot[:, None] * stride_cache_slot + d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = from_cache(v, v_scale, q.dtype, FP8_KV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -129,6 +134,8 @@ def extend_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim] (the requests' new tokens, back to back) -> [tokens, heads,
     head_dim] (in q's dtype, or written into `out`). `window` > 0: each query sees its last
@@ -139,7 +146,8 @@ def extend_attention(
     views k_cache/v_cache [slots, kv_heads, head_dim] at
     page_table[rows[i], p // page_size] * page_size + p % page_size.
     rows, seq_lens, q_starts, extend_lens: [bs] device integer tensors; `max_extend_len` (host)
-    sizes the grid.
+    sizes the grid. An FP8 pool's K/V are read as stored * k_scale / v_scale, in q's dtype;
+    other pools' in their own dtype (q is cast to it), without scales.
     """
     _, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -149,7 +157,8 @@ def extend_attention(
     assert num_heads % kv_heads == 0, f"{num_heads} query heads vs {kv_heads} KV heads"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert seq_lens.shape == q_starts.shape == extend_lens.shape == (bs,)
-    default_m, default_n, num_warps = extend_config(head_dim, k_cache.dtype)
+    compute_dtype = attention_dtype(q, k_cache)
+    default_m, default_n, num_warps = extend_config(head_dim, compute_dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     for block in (block_m, block_n):
         assert block >= MIN_DOT and block & (block - 1) == 0, f"block {block}: a power of 2 >= 16"
@@ -160,15 +169,16 @@ def extend_attention(
     assert out.shape == q.shape and out.stride(2) == 1
     if bs == 0 or max_extend_len == 0:
         return out
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
+    precision = "ieee" if compute_dtype == torch.float32 else "tf32"  # tf32 only applies to fp32
     grid = (bs, cdiv(max_extend_len, block_m), num_heads)
     _launch_extend(grid,
         q, out, k_cache, v_cache, page_table, rows, seq_lens, q_starts, extend_lens,
-        sm_scale * LOG2E, window,
+        sm_scale * LOG2E, window, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
-        DOT_PRECISION=precision, SLIDING=window > 0, num_warps=num_warps, num_stages=2,
+        DOT_PRECISION=precision, SLIDING=window > 0, FP8_KV=is_fp8(k_cache),
+        num_warps=num_warps, num_stages=2,
     )
     return out

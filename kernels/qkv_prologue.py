@@ -16,16 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import is_fp8, to_cache
 from kernels.launch import DirectLaunch, cdiv
 
 
 @triton.jit
-def _norm_rope_heads(src, dst, mask, norm_w_ptr, cos, sin, eps,
-                     HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope_heads(src, dst, mask, norm_w_ptr, cos, sin, eps, kv_scale,
+                     HALF: tl.constexpr, HAS_NORM: tl.constexpr, FP8_KV: tl.constexpr):
     """Heads of HEAD_DIM = 2 * HALF values, one per row of the [heads, 1] pointer blocks `src`
     and `dst` (rows outside `mask` are skipped): optional RMSNorm, then NeoX ("rotate half")
     RoPE, all in fp32. `dst` may be `src`: every element is read by the thread that writes it,
-    before it writes."""
+    before it writes. FP8_KV: `dst` is an FP8 pool, which gets the result rounded to src's
+    dtype (the K the unfused path stores) quantized with `kv_scale`."""
     i = tl.arange(0, HALF)[None, :]
     x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
@@ -34,18 +36,23 @@ def _norm_rope_heads(src, dst, mask, norm_w_ptr, cos, sin, eps,
         scale = tl.rsqrt(mean_sq + eps)
         x1 = x1 * scale * tl.load(norm_w_ptr + i).to(tl.float32)
         x2 = x2 * scale * tl.load(norm_w_ptr + HALF + i).to(tl.float32)
-    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    lo = x1 * cos - x2 * sin
+    hi = x2 * cos + x1 * sin
+    if FP8_KV:
+        lo = lo.to(src.dtype.element_ty)
+        hi = hi.to(src.dtype.element_ty)
+    tl.store(dst + i, to_cache(lo, kv_scale, dst, FP8_KV), mask=mask)
+    tl.store(dst + HALF + i, to_cache(hi, kv_scale, dst, FP8_KV), mask=mask)
 
 
 @triton.jit
 def _qkv_prologue_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, slots_ptr,
-    out_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, eps,
+    out_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, eps, k_scale, v_scale,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head, stride_cs_pos, stride_cache_slot, stride_cache_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -60,17 +67,19 @@ def _qkv_prologue_kernel(
         head = (group * HEADS + tl.arange(0, HEADS))[:, None]
         _norm_rope_heads(q_ptr + tok * stride_q_tok + head * stride_q_head,
                          out_ptr + tok * stride_o_tok + head * stride_o_head,
-                         head < NUM_HEADS, q_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+                         head < NUM_HEADS, q_norm_ptr, cos, sin, eps, 1.0, HALF, HAS_NORM,
+                         False)
     else:
         kv_head = ((group - Q_GROUPS) * HEADS + tl.arange(0, HEADS))[:, None]
         mask = kv_head < NUM_KV_HEADS
         dst = tl.load(slots_ptr + tok).to(tl.int64) * stride_cache_slot \
             + kv_head * stride_cache_head
         _norm_rope_heads(k_ptr + tok * stride_k_tok + kv_head * stride_k_head,
-                         k_cache_ptr + dst, mask, k_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+                         k_cache_ptr + dst, mask, k_norm_ptr, cos, sin, eps, k_scale, HALF,
+                         HAS_NORM, FP8_KV)
         d = tl.arange(0, HEAD_DIM)[None, :]
         v = tl.load(v_ptr + tok * stride_v_tok + kv_head * stride_v_head + d, mask=mask)
-        tl.store(v_cache_ptr + dst + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst + d, to_cache(v, v_scale, v_cache_ptr, FP8_KV), mask=mask)
 
 
 # Below ~32 tokens a head per program keeps more SMs busy; from there on, groups of 8 heads give
@@ -101,6 +110,8 @@ def fused_qk_norm_rope_store(
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
     heads_per_program: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Norm + RoPE q and k, store k and v in the pool; return the rotated q [tokens, heads, dim].
 
@@ -117,7 +128,8 @@ def fused_qk_norm_rope_store(
     into the GEMM output); by default a new contiguous tensor of q's dtype. Math is fp32; every
     output is rounded once to its tensor's dtype. heads_per_program: a power of two (see the
     module's docstring; by default `heads_per_program_for(tokens)`); the result does not
-    depend on it.
+    depend on it. An FP8 pool gets K and V as the unfused path stores them (`store_kv`): the
+    rotated K rounded to k's dtype, then quantized with `k_scale`; V with `v_scale`.
     """
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -157,11 +169,12 @@ def fused_qk_norm_rope_store(
         + cdiv(num_kv_heads, heads_per_program)
     _launch_qkv_prologue((tokens, groups),
         q, k, v, positions, cos_sin_cache, out_slots, out, k_cache, v_cache, q_w, k_w, eps,
+        float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS=heads_per_program, HAS_NORM=has_norm,
+        HEADS=heads_per_program, HAS_NORM=has_norm, FP8_KV=is_fp8(k_cache),
         num_warps=max(1, min(4, heads_per_program * head_dim // 128)),
     )
     return out

@@ -51,7 +51,12 @@ def _hf_model(model_dir: str) -> torch.nn.Module:
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
               stop_at_eos: bool = False) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (one at a time, float32)."""
-    model = _hf_model(str(model_dir))
+    return hf_model_greedy(_hf_model(str(model_dir)), prompts, max_tokens, stop_at_eos)
+
+
+def hf_model_greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+                    stop_at_eos: bool = False) -> list[list[int]]:
+    """`hf_greedy` of a loaded HF model."""
     if _longrope(model):
         return [hf_greedy_whole(model, prompt, max_tokens) for prompt in prompts]
     outputs = []

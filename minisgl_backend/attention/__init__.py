@@ -39,7 +39,7 @@ def create_attention_backend(name: str, kv_pool: PagedKVPool, num_heads: int, he
     `"PREFILL,DECODE"` (e.g. "flashinfer,triton") uses one backend per phase.
     `max_pages_per_request` sizes the CUDA-graph index buffers of backends that need them."""
     if name == "auto":
-        name = auto_backend(device, kv_pool.buffer.dtype)
+        name = auto_backend(device, kv_pool.dtype)
     if "," in name:
         prefill_name, decode_name = (part.strip() for part in name.split(",", 1))
         args = (kv_pool, num_heads, head_dim, device, max_pages_per_request)

@@ -88,7 +88,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.num_heads = num_heads
         self.num_kv_heads = kv_pool.buffer.shape[-2]
         self.head_dim = head_dim
-        self.dtype = kv_pool.buffer.dtype
+        self.dtype = kv_pool.dtype  # q's and the output's
+        self.kv_dtype = kv_pool.kv_dtype  # what the kernels read from the pool
         self.device = device
         self.max_pages_per_request = max_pages_per_request
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -128,7 +129,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wait_previous_plan(wrapper)
         wrapper.plan(torch.from_numpy(indptr), indices, torch.from_numpy(last_page_len),
                      self.num_heads, self.num_kv_heads, self.head_dim, self.kv_pool.page_size,
-                     window_left=window_left, q_data_type=self.dtype, kv_data_type=self.dtype)
+                     window_left=window_left, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._record_plan(wrapper)
 
     def _plan_prefill(self, qo_indptr: np.ndarray, indptr: np.ndarray, indices: torch.Tensor,
@@ -137,7 +138,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper.plan(torch.from_numpy(qo_indptr), torch.from_numpy(indptr), indices,
                      torch.from_numpy(last_page_len), self.num_heads, self.num_kv_heads,
                      self.head_dim, self.kv_pool.page_size, causal=True,
-                     window_left=window_left, q_data_type=self.dtype, kv_data_type=self.dtype)
+                     window_left=window_left, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._record_plan(wrapper)
 
     def _new_decode_wrapper(self, window: int) -> Any:
@@ -154,9 +155,14 @@ class FlashInferAttentionBackend(AttentionBackend):
                 layer_id: int, batch: Batch, window: int = 0) -> torch.Tensor:
         if k is not None:
             self.kv_pool.store(layer_id, batch.out_slots, k, v)
-        kv = (self.kv_pool.buffer[0, layer_id], self.kv_pool.buffer[1, layer_id])
+        pool = self.kv_pool
+        kv = (pool.buffer[0, layer_id], pool.buffer[1, layer_id])
+        # FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale:
+        # the dequantized attention, in another order.
+        scales = {"k_scale": pool.k_scale(layer_id), "v_scale": pool.v_scale(layer_id)} \
+            if pool.quantized else {}
         step: FlashInferStep = batch.attn_metadata
-        out = step.wrapper_for(window).run(q.contiguous(), kv)
+        out = step.wrapper_for(window).run(q.contiguous(), kv, **scales)
         return out.reshape(q.shape[0], -1)
 
     def _wait_previous_plan(self, wrapper: Any) -> None:

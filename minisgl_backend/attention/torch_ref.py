@@ -80,8 +80,9 @@ class TorchAttentionBackend(AttentionBackend):
             self.kv_pool.store(layer_id, batch.out_slots, k, v)
         meta: TorchAttnMetadata = batch.attn_metadata
         kv_mask = meta.mask(window)
-        k_all = self.kv_pool.k_cache(layer_id)[meta.kv_slots]  # [bs, max_len, kv_heads, dim]
-        v_all = self.kv_pool.v_cache(layer_id)[meta.kv_slots]
+        # [bs, max_len, kv_heads, dim]; the step's own K/V too come back as stored (rounded
+        # to FP8 in an FP8 pool), as later steps will read them.
+        k_all, v_all = self.kv_pool.gather(layer_id, meta.kv_slots, q.dtype)
         if batch.is_decode:
             out = self._attend(q[:, None], k_all, v_all, kv_mask)  # [bs, 1, heads, dim]
             return out.reshape(q.shape[0], -1)

@@ -90,23 +90,24 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, batch: Batch, window: int = 0) -> torch.Tensor:
-        k_cache = self.kv_pool.k_cache(layer_id)
-        v_cache = self.kv_pool.v_cache(layer_id)
+        pool = self.kv_pool
+        k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
+        scales = {"k_scale": pool.k_scale(layer_id), "v_scale": pool.v_scale(layer_id)}
         if k is not None:
-            store_kv(k, v, k_cache, v_cache, batch.out_slots)
+            store_kv(k, v, k_cache, v_cache, batch.out_slots, **scales)
         meta: TritonAttnMetadata = batch.attn_metadata
         page_size = self.kv_pool.page_size
         if batch.is_decode:
             out = decode_attention(q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
                                    page_size=page_size, sm_scale=self.scale,
                                    num_splits=meta.num_splits, workspace=meta.workspace,
-                                   launch=self.decode_launch, window=window)
+                                   launch=self.decode_launch, window=window, **scales)
         else:
             assert meta.q_starts is not None and meta.extend_lens is not None
             out = extend_attention(q, k_cache, v_cache, meta.page_table, meta.rows, meta.seq_lens,
                                    meta.q_starts, meta.extend_lens,
                                    max_extend_len=meta.max_extend_len, page_size=page_size,
-                                   sm_scale=self.scale, window=window)
+                                   sm_scale=self.scale, window=window, **scales)
         return out.view(q.shape[0], -1)
 
     # -- CUDA graphs (decode) ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from minisgl_backend.engine.protocol import LogprobColumns, StepMessage, StepRep
 from minisgl_backend.engine.step_times import StepTimeline
 from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
-from minisgl_backend.kvcache.pool import PagedKVPool
+from minisgl_backend.kvcache.pool import PagedKVPool, resolve_kv_dtype
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
 from minisgl_backend.models import ModelConfig, create_model
 
@@ -159,8 +159,14 @@ class Engine:
         self.max_seq_len = min(mc.max_position_embeddings, self.num_pages * self.page_size)
         num_local_kv = self.model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
         num_local_heads = self.model.model.layers[0].self_attn.qkv_proj.num_local_heads
+        attn = [layer.self_attn for layer in self.model.model.layers]
         self.kv_pool = PagedKVPool(mc.num_layers, self.num_pages, self.page_size, num_local_kv,
-                                   mc.head_dim, self.dtype, self.device)
+                                   mc.head_dim, self.dtype, self.device, kv_dtype=self.kv_dtype,
+                                   k_scales=[a.k_scale for a in attn],
+                                   v_scales=[a.v_scale for a in attn])
+        if self.reports:
+            logger.info("KV cache: %s, %d tokens (%d pages of %d)", self.kv_pool.kv_dtype,
+                        self.kv_pool.capacity, self.num_pages, self.page_size)
         self._init_tables(config.max_running_requests + 1)
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.kv_pool, num_local_heads, mc.head_dim, self.device,
@@ -212,12 +218,17 @@ class Engine:
             return 0
         return torch.cuda.mem_get_info(self.device)[0]
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pool stores (the `kv_cache_dtype` setting)."""
+        return resolve_kv_dtype(self.config.kv_cache_dtype, self.dtype)
+
     def _decide_num_pages(self, free_before: int) -> int:
         mc, cfg = self.model_config, self.config
         tp = get_tp_info().size
         kv_heads = max(1, mc.num_kv_heads // tp)
         page_bytes = PagedKVPool.bytes_per_page(mc.num_layers, self.page_size, kv_heads,
-                                                mc.head_dim, self.dtype)
+                                                mc.head_dim, self.kv_dtype)
         if cfg.max_total_tokens is not None:
             return -(-cfg.max_total_tokens // self.page_size)
         if self.device.type == "cuda":

@@ -82,12 +82,14 @@ class Attention(nn.Module):
         from kernels.qkv_prologue import fused_qk_norm_rope_store
 
         norm = self.q_norm is not None
+        pool, layer = ctx.kv_pool, self.layer_id
         return fused_qk_norm_rope_store(
             q, k, v, positions, rope.cos_sin_cache(), ctx.batch.out_slots,
-            ctx.kv_pool.k_cache(self.layer_id), ctx.kv_pool.v_cache(self.layer_id),
+            pool.k_cache(layer), pool.v_cache(layer),
             q_norm_weight=self.q_norm.weight if norm else None,
             k_norm_weight=self.k_norm.weight if norm else None,
-            eps=self.q_norm.eps if norm else 1e-6)
+            eps=self.q_norm.eps if norm else 1e-6,
+            k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer))
 
 
 def _norm_class(config: ModelConfig) -> type[RMSNorm]:
