@@ -6,6 +6,7 @@ It drives the same scheduler thread and engine processes as the Triton model.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,6 +20,16 @@ from minisgl_backend.startup_heap import freeze_startup_heap, thaw_startup_heap
 from minisgl_backend.tokenizer import encode_prompt
 
 Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What the engine loaded (the metrics' model description)."""
+
+    weight_bytes: int  # over every rank
+    kv_tokens: int  # the KV pool's capacity
+    quantization: str  # `QuantScheme.label`, or "none"
+    kv_cache_dtype: str  # "fp8_e4m3", or "auto" (the model's dtype)
 
 
 class LLM:
@@ -52,6 +63,14 @@ class LLM:
                                    model_config.vocab_size)
         freeze_startup_heap()  # the scheduler thread's collections skip what is alive now
         self._frozen = True
+        from minisgl_backend.quantization.config import resolve_scheme
+
+        scheme = resolve_scheme(model_dir, general.quantization)
+        client = self.scheduler.engine
+        self.loaded = LoadedModel(
+            weight_bytes=client.weight_bytes, kv_tokens=client.num_pages * general.page_size,
+            quantization=scheme.label if scheme else "none",
+            kv_cache_dtype="fp8_e4m3" if general.kv_cache_dtype.startswith("fp8") else "auto")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

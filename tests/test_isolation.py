@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_backend import LLM, SamplingParams
+from tests.fp8_checkpoints import write_fp8_checkpoint
 from tests.triton_fixtures import (
     REPO_ROOT,
     TritonServer,
@@ -33,6 +35,7 @@ from tests.triton_fixtures import (
 
 PROMPT = "The capital of France is"
 MODELS = ("minisgl", "minisgl_b")
+FP8_KV = "fp8_e4m3"
 
 
 def _set_parameter(config: str, key: str, value: str) -> str:
@@ -53,7 +56,7 @@ def two_instance_repository(root: Path, model_dir: Path, other_model_dir: Path) 
     path = repo / "minisgl_b" / "config.pbtxt"
     config = path.read_text().replace('name: "minisgl"', 'name: "minisgl_b"')
     for key, value in (("model", str(other_model_dir)), ("tp_size", "2"), ("page_size", "16"),
-                       ("cache", "naive")):
+                       ("cache", "naive"), ("kv_cache_dtype", FP8_KV)):
         config = _set_parameter(config, key, value)
     path.write_text(config)
     return repo
@@ -68,8 +71,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path,  # noq
            tiny_models: dict[str, Path]):
     root = tmp_path_factory.mktemp("two-instances")
     dirs_before = private_dirs()
-    repository = two_instance_repository(root, default_model, tiny_models["llama"])
+    # The second instance serves an FP8 checkpoint, with an FP8 KV cache.
+    fp8_model = write_fp8_checkpoint(tiny_models["llama"], root / "fp8", "fp8_block",
+                                     [[5, 6, 7, 8]])
+    repository = two_instance_repository(root, default_model, fp8_model)
     server = start_server(root / "server.log", repository=repository)
+    server.fp8_model = fp8_model  # type: ignore[attr-defined]
     server.dirs_before = dirs_before  # type: ignore[attr-defined]
     yield server
     leftovers = server.stop()
@@ -100,6 +107,27 @@ def test_two_instances_serve_side_by_side(server: TritonServer) -> None:
     print(f"engine processes: {pids}")
     assert len(pids["minisgl"]) == 1 and len(pids["minisgl_b"]) == 2
     assert not pids["minisgl"] & pids["minisgl_b"]
+
+
+def test_fp8_checkpoint_served_as_offline(server: TritonServer) -> None:
+    """The FP8 instance answers what the offline API gives for the same checkpoint and
+    settings, and its metrics name the scheme."""
+    result = grpc_generate(server, ensemble_inputs(PROMPT, 12, stream=True), model="minisgl_b")
+    assert not result.errors, result.errors
+    with LLM(server.fp8_model, device="cpu", tp_size=2, page_size=16, cache="naive",
+             kv_cache_dtype=FP8_KV) as llm:
+        offline = llm.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+        loaded = llm.loaded
+    assert result.ids == offline.token_ids
+    assert loaded.quantization == "fp8/fp8/block16x32" and loaded.kv_cache_dtype == FP8_KV
+    counts = metrics(server, "minisgl_b")
+    weights = {k: v for k, v in counts.items() if k.startswith("minisgl_model_weight_bytes")}
+    assert len(weights) == 1, counts
+    (labels, value), = weights.items()
+    assert f'quantization="{loaded.quantization}"' in labels
+    assert f'kv_cache_dtype="{FP8_KV}"' in labels
+    assert value == loaded.weight_bytes
+    assert counts["minisgl_kv_tokens_total"] == loaded.kv_tokens
 
 
 def _socket_inodes(pid: int) -> set[str]:

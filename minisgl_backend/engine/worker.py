@@ -34,6 +34,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
     from minisgl_backend.distributed import destroy_process_group
     from minisgl_backend.engine.engine import Engine
     from minisgl_backend.engine.mask_buffer import MaskBuffer
+    from minisgl_backend.models import weight_bytes
     from minisgl_backend.startup_heap import freeze_startup_heap
 
     try:
@@ -43,6 +44,7 @@ def run_engine_process(config: EngineConfig, rank: int, conn: Connection, init_f
             "max_seq_len": np.asarray([engine.max_seq_len], dtype=np.int64),
             "vocab_size": np.asarray([engine.model_config.vocab_size], dtype=np.int64),
             "long_rope_from": np.asarray([engine.model_config.rope.long_from], dtype=np.int64),
+            "weight_bytes": np.asarray([weight_bytes(engine.model)], dtype=np.int64),
         }))
         # Before any step: the scheduler's guide mask buffer (its descriptor, then nothing else).
         engine.attach_masks(MaskBuffer.receive(conn, config, engine.model_config.vocab_size))

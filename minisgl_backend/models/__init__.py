@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from minisgl_backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 LOAD_FORMATS = ("auto", "dummy")
+
+logger = logging.getLogger(__name__)
 
 
 def create_model(
@@ -43,7 +46,15 @@ def create_model(
 
         load_weights(model, model_dir, device, dtype, scheme)
     model.move_rope_to(device)
+    logger.info("%s loaded: %s, %.1f MiB of weights on this rank", config.architecture,
+                scheme.describe() if scheme else f"{dtype} weights", weight_bytes(model) / 2**20)
     return model.eval()
 
 
-__all__ = ["LOAD_FORMATS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "create_model"]
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters (FP8 weights count one byte each)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+__all__ = ["LOAD_FORMATS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "create_model",
+           "weight_bytes"]

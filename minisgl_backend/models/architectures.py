@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from minisgl_backend.quantization.config import parse_quantization_config
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -80,6 +82,8 @@ def check_unsupported_fields(text: dict[str, Any], spec: ArchSpec) -> None:
     for name, (accepts, why) in _COMMON_FIELDS.items():
         if name in text and not accepts(text[name]):
             raise ValueError(f"config field {name!r} = {text[name]!r} is not supported: {why}")
+    if text.get("quantization_config") is not None:
+        parse_quantization_config(text["quantization_config"])  # FP8 formats only
     rope_params = text.get("rope_parameters") or {}
     nested = [p for p in rope_params.values() if isinstance(p, dict)] or [rope_params]
     for params in [*nested, text.get("rope_scaling") or {}]:

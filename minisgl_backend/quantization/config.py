@@ -63,6 +63,12 @@ class QuantScheme:
         holds FP8 weights."""
         return not any(_matches(entry, module) for entry in self.ignore)
 
+    @property
+    def label(self) -> str:
+        """Short name for metrics labels: `fp8/<source>/<weight scales>`."""
+        weights = f"block{self.block[0]}x{self.block[1]}" if self.block else self.weights
+        return f"fp8/{self.source}/{weights}"
+
     def describe(self) -> str:
         weights = (f"{self.block[0]}x{self.block[1]} blocks" if self.block else
                    {"channel": "per output channel", "tensor": "per tensor"}[self.weights])

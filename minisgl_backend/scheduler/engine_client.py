@@ -54,6 +54,7 @@ class EngineClient:
         self.max_seq_len = int(ready[0]["max_seq_len"][0])
         # LongRoPE's pretraining length (0: the model has no LongRoPE).
         self.long_rope_from = int(ready[0]["long_rope_from"][0])
+        self.weight_bytes = sum(int(r["weight_bytes"][0]) for r in ready)  # over every rank
 
     @property
     def private_dir(self) -> str:

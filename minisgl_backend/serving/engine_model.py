@@ -33,6 +33,7 @@ class TritonPythonModel:
         self.limits = request_policy(parameters)
         name, scheduler = config["name"], self.llm.scheduler
         metrics = EngineMetrics(name)
+        metrics.describe_model(self.llm.loaded)
         self.inflight = InFlight(scheduler.abort)
         self.responder = Responder(self.llm.tokenizer, self.inflight, metrics)
         self.watch = ServerWatch(name, scheduler, self.inflight,

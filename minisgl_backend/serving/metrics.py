@@ -7,6 +7,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from minisgl_backend.llm import LoadedModel
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.scheduler import SchedulerStats
 
@@ -55,12 +56,31 @@ class EngineMetrics:
         self.accepted_per_step = accepted_per_step.Metric(labels=labels)
         self.drafts = drafts.Metric(labels=labels)
         self._drafts_sent = 0
+        self._model_name = model_name
         self._gauges = (self.pages_total, self.pages_in_use, self.pages_cached, self.running,
                         self.waiting, self.acceptance, self.accepted_per_step)
         self._gauge_values: tuple[float, ...] = (-1,) * len(self._gauges)  # nothing set yet
         # Counted by record_output, sent by flush (both on the response thread).
         self._pending_generated = self._pending_prompt = self._pending_cached = 0
         self._pending_ttft: list[float] = []
+
+    def describe_model(self, loaded: LoadedModel) -> None:
+        """What was loaded, set once: the weights' bytes over all ranks, labelled with the
+        quantization scheme and KV-cache dtype, and the KV pool's capacity in tokens."""
+        labels = {"model": self._model_name}
+        self._families += [
+            _family("minisgl_model_weight_bytes", "Bytes of the model's weights over all "
+                    "ranks (labels: quantization scheme, KV-cache dtype)",
+                    pb_utils.MetricFamily.GAUGE),
+            _family("minisgl_kv_tokens_total", "Tokens the KV pool holds",
+                    pb_utils.MetricFamily.GAUGE)]
+        weights = self._families[-2].Metric(labels={
+            **labels, "quantization": loaded.quantization,
+            "kv_cache_dtype": loaded.kv_cache_dtype})
+        tokens = self._families[-1].Metric(labels=labels)
+        weights.set(loaded.weight_bytes)
+        tokens.set(loaded.kv_tokens)
+        self._model_metrics = (weights, tokens)
 
     def update_gauges(self, stats: SchedulerStats) -> None:
         """Set the gauges whose value changed. Each `set` is a round trip to tritonserver that
