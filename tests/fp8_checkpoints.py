@@ -137,10 +137,37 @@ def quantize_input(x: torch.Tensor, how: str, scale: float | None = None,
     return (e4m3(groups, s).float() * s).flatten(-2)
 
 
-def _hf(model_dir: Path) -> torch.nn.Module:
+def _hf(model_dir: Path, kv_scales: tuple[float, float] | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    extra = {} if kv_scales is None else {"attn_implementation": kv_e4m3_attention(*kv_scales)}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+
+
+def through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x stored in e4m3 with `scale` and read back."""
+    return (e4m3(x.float(), scale).float() * scale).to(x.dtype)
+
+
+def kv_e4m3_attention(k_scale: float, v_scale: float) -> str:
+    """The name of an HF attention implementation (SDPA) that sees its key and value states
+    (after RoPE and k-norm, the cached ones included) through an e4m3 KV cache with these
+    scales, as an FP8 KV cache stores them; registered on first use."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"sdpa_kv_e4m3_{k_scale}_{v_scale}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      **kwargs: object) -> tuple[torch.Tensor, None]:
+            return sdpa(module, query, through_e4m3(key, k_scale),
+                        through_e4m3(value, v_scale), attention_mask, **kwargs)
+
+        AttentionInterface.register(name, attention)
+    return name
 
 
 def _quantized_modules(model: torch.nn.Module, fmt: Format) -> dict[str, torch.nn.Linear]:
@@ -170,8 +197,11 @@ def calibrate(model_dir: Path, fmt: Format, prompts: list[list[int]]) -> dict[st
     return {name: 1.5 * value / E4M3_MAX for name, value in amax.items()}
 
 
+KV_SCALES = (0.5, 0.25)  # the k and v cache scales of the formats that carry them
+
+
 def write_fp8_checkpoint(src: Path, dst: Path, name: str, prompts: list[list[int]],
-                         kv_scales: tuple[float, float] = (0.5, 0.25)) -> Path:
+                         kv_scales: tuple[float, float] = KV_SCALES) -> Path:
     """`src` (a float32 tiny model) written to `dst` in format `name`."""
     fmt = FORMATS[name]
     shutil.copytree(src, dst, dirs_exist_ok=True)
@@ -206,15 +236,17 @@ def write_fp8_checkpoint(src: Path, dst: Path, name: str, prompts: list[list[int
 
 
 def fp8_oracle(src: Path, name: str, checkpoint: Path | None = None,
-               tp_size: int = 1) -> torch.nn.Module:
+               tp_size: int = 1, kv_scales: tuple[float, float] | None = None
+               ) -> torch.nn.Module:
     """HF float32 on `src`'s weights as format `name` stores them, inputs quantized as it says.
     `name="online"`: per-channel weights, per-token inputs, every projection.
 
     With tensor parallelism a row-parallel layer (o_proj, down_proj) sees its input split by
     columns over the ranks, and each rank quantizes its part: per-token scales become
-    per-token scales of each rank's columns."""
+    per-token scales of each rank's columns. `kv_scales`: attention reads K and V through an
+    e4m3 KV cache of these scales."""
     fmt = FORMATS.get(name) or Format("channel", "token", {})
-    model = _hf(src)
+    model = _hf(src, kv_scales)
     stored = load_file(checkpoint / "model.safetensors") if checkpoint else {}
     for module_name, module in _quantized_modules(model, fmt).items():
         if checkpoint is not None:

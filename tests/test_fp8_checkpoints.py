@@ -2,8 +2,9 @@
 token (float32 on CPU, the oracle patched to quantize as the format says: tests/fp8_checkpoints.py).
 
 Each format runs on two architectures: a Llama with page size 1, chunked prefill and prefix-cache
-hits, and a Qwen3 (q/k norms) with page size 16 and tensor parallelism 2; online FP8 also under
-speculative decoding. Bad or unsupported quantization configs fail naming the field.
+hits, and a Qwen3 (q/k norms) with page size 16 and tensor parallelism 2; with the FP8 KV cache
+on (the checkpoint's KV scales where it has them); online FP8 also under speculative decoding.
+Bad or unsupported quantization configs fail naming the field.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from minisgl_backend import LLM, SamplingParams
 from minisgl_backend.models import ModelConfig, create_model
 from minisgl_backend.testing.tiny_models import build_tiny_model
 from tests.conftest import CHECKED, mixed_prompts
-from tests.fp8_checkpoints import FORMATS, fp8_oracle, greedy, write_fp8_checkpoint
+from tests.fp8_checkpoints import (FORMATS, KV_SCALES, fp8_oracle, greedy,
+                                   write_fp8_checkpoint)
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -65,11 +67,35 @@ def test_online_fp8_equals_its_oracle(sources: dict[str, Path], arch: str) -> No
     check(sources[arch], expected, prompts, quantization="fp8", **RUNS[arch])
 
 
-def test_online_fp8_with_speculative_decoding(sources: dict[str, Path]) -> None:
+@pytest.mark.parametrize("name, arch", [("fp8_tensor_static", "llama"),
+                                        ("compressed_channel", "qwen3"), ("modelopt", "llama"),
+                                        ("fp8_block", "qwen3"), ("online", "llama")])
+def test_fp8_weights_with_fp8_kv_cache(sources: dict[str, Path], tmp_path: Path, name: str,
+                                       arch: str) -> None:
+    """Weights and KV cache in FP8: the checkpoint's KV scales where it has them, else 1.0."""
+    prompts = mixed_prompts(6)
+    tp_size = RUNS[arch].get("tp_size", 1)
+    if name == "online":
+        checkpoint, kv_scales, settings = sources[arch], (1.0, 1.0), {"quantization": "fp8"}
+        oracle = fp8_oracle(sources[arch], name, tp_size=tp_size, kv_scales=kv_scales)
+    else:
+        checkpoint = write_fp8_checkpoint(sources[arch], tmp_path / name, name, prompts)
+        kv_scales = KV_SCALES if FORMATS[name].kv_scale_names else (1.0, 1.0)
+        oracle = fp8_oracle(sources[arch], name, checkpoint, tp_size, kv_scales)
+        settings = {}
+    check(checkpoint, greedy(oracle, prompts, MAX_TOKENS), prompts, kv_cache_dtype="fp8_e4m3",
+          **settings, **RUNS[arch])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_online_fp8_with_speculative_decoding(sources: dict[str, Path],
+                                              kv_cache_dtype: str) -> None:
     # Repetitive prompts give the n-gram drafter something to propose.
     prompts = [list(range(5, 15)) * 4, [7, 8, 9] * 10, mixed_prompts(1)[0]]
-    expected = greedy(fp8_oracle(sources["llama"], "online"), prompts, MAX_TOKENS)
-    check(sources["llama"], expected, prompts, quantization="fp8", speculative="ngram")
+    kv_scales = (1.0, 1.0) if kv_cache_dtype != "auto" else None
+    oracle = fp8_oracle(sources["llama"], "online", kv_scales=kv_scales)
+    check(sources["llama"], greedy(oracle, prompts, MAX_TOKENS), prompts, quantization="fp8",
+          speculative="ngram", kv_cache_dtype=kv_cache_dtype)
 
 
 def test_online_fp8_layers_and_bytes(sources: dict[str, Path]) -> None:
