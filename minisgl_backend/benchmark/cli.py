@@ -141,28 +141,45 @@ def engine_dtype(args: argparse.Namespace, config: dict[str, Any]) -> torch.dtyp
                          config.get("torch_dtype", "float32"))
 
 
-def print_header(args: argparse.Namespace, compared: str,
-                 config: dict[str, Any] | None = None) -> None:
+def header_fields(args: argparse.Namespace, compared: str,
+                  config: dict[str, Any] | None = None) -> dict[str, str]:
     """Command, date, device, model and what the table compares."""
     device = torch_device(args)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu ({platform.machine()})")
-    print(f"\ncommand: {shlex.join(['python', '-m', 'minisgl_backend.benchmark', *sys.argv[1:]])}")
-    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    print(f"device: {name}; torch {torch.__version__}")
+    fields = {
+        "command": shlex.join(["python", "-m", "minisgl_backend.benchmark", *sys.argv[1:]]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": f"{name}; torch {torch.__version__}"}
     if config is not None:
         weights = f"shape {args.shape}, random weights" if args.shape else str(args.model)
-        print(f"model: {weights} ({describe(config)}), {engine_dtype(args, config)}; "
-              f"engine settings {settings_text(args)}")
-    print(f"compared: {compared}")
+        fields["model"] = (f"{weights} ({describe(config)}), {engine_dtype(args, config)}; "
+                           f"engine settings {settings_text(args)}")
+    return {**fields, "compared": compared}
+
+
+def print_header(args: argparse.Namespace, compared: str,
+                 config: dict[str, Any] | None = None) -> dict[str, str]:
+    """Print `header_fields` and return them."""
+    fields = header_fields(args, compared, config)
+    print("\n" + "\n".join(f"{key}: {value}" for key, value in fields.items()))
+    return fields
 
 
 def report(args: argparse.Namespace, compared: str, header: Sequence[str],
            rows: Sequence[Sequence[str]], config: dict[str, Any] | None = None,
-           notes: Sequence[str] = ()) -> None:
-    """The header, `notes`, then the table (always the output's end)."""
-    print_header(args, compared, config)
+           notes: Sequence[str] = (), json_path: Path | None = None,
+           results: Any = None) -> None:
+    """The header, `notes`, then the table (always the output's end). With `json_path`, the
+    same (the table as one object per row) and `results` (numbers unrounded) go there too."""
+    fields = print_header(args, compared, config)
     print("\n".join([*notes, ""]))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(
+            {**fields, "notes": list(notes),
+             "table": [dict(zip(header, row)) for row in rows], "results": results},
+            indent=2) + "\n")
     print(markdown_table(header, rows))
 
 

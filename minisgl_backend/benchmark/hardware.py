@@ -61,8 +61,12 @@ class WeightBytes:
         return dense + self.experts * touched
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> WeightBytes:
-    """Count rank 0's parameters by building the model on the meta device (exact shapes)."""
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
+                 projection_dtype: torch.dtype | None = None) -> WeightBytes:
+    """Count rank 0's parameters by building the model on the meta device (exact shapes).
+    With `projection_dtype` (FP8), the dense projections (`*_proj.weight`) are stored in it
+    with a float32 scale per output channel; embeddings, the LM head, norms, the router and
+    the experts stay in `dtype`."""
     from minisgl_backend.models.decoder import CausalLM
 
     saved = get_tp_info()
@@ -76,6 +80,8 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> W
     total = embedding = experts = 0
     for name, param in model.named_parameters():
         size = param.numel() * itemsize
+        if projection_dtype is not None and name.endswith("_proj.weight"):
+            size = param.numel() * projection_dtype.itemsize + param.shape[0] * 4
         total += size
         if name == "model.embed_tokens.weight":
             embedding += size

@@ -25,7 +25,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.collector import collector_pauses
@@ -33,6 +33,9 @@ from minisgl_backend.benchmark.tokenizer import tokenizer_name
 from minisgl_backend.benchmark.workloads import (Workload, anchor_workload, chat_text,
                                                  fixed_workload, random_tokens,
                                                  shared_prefix_workload, text_workload)
+
+if TYPE_CHECKING:
+    from minisgl_backend import LLM
 
 HEADER = ("run", "detokenize", "requests", "input tokens", "output tokens", "total s",
           "output tok/s", "prompt cache hits", "vs first")
@@ -81,15 +84,21 @@ def make_workload(args: argparse.Namespace, folder: Path, vocab: int) -> Workloa
 
 def timed_generate(args: argparse.Namespace, folder: Path, workload: Workload, vocab: int,
                    overrides: dict[str, Any]) -> tuple[float, list[Any], str]:
-    """A fresh engine, a warm-up, then one timed `generate`: (seconds, outputs, the garbage
-    collector's pauses in this process during that call)."""
+    """`time_workload` on a fresh engine."""
     with cli.make_llm(args, folder, **overrides) as llm:
-        warmup = fixed_workload(vocab, 8, 32, 8, seed=args.seed + 1)
-        llm.generate(warmup.prompts, warmup.params)
-        with collector_pauses() as pauses:
-            start = time.perf_counter()
-            outputs = llm.generate(workload.prompts, workload.params)
-            seconds = time.perf_counter() - start
+        return time_workload(llm, workload, vocab, args.seed)
+
+
+def time_workload(llm: LLM, workload: Workload, vocab: int,
+                  seed: int) -> tuple[float, list[Any], str]:
+    """A warm-up, then one timed `generate` of `workload`: (seconds, outputs, the garbage
+    collector's pauses in this process during that call)."""
+    warmup = fixed_workload(vocab, 8, 32, 8, seed=seed + 1)
+    llm.generate(warmup.prompts, warmup.params)
+    with collector_pauses() as pauses:
+        start = time.perf_counter()
+        outputs = llm.generate(workload.prompts, workload.params)
+        seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
     if generated != workload.output_tokens:
         raise RuntimeError(f"generated {generated} tokens, requested {workload.output_tokens}")

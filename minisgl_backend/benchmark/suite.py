@@ -6,7 +6,7 @@ what is left of `--budget-s` is skipped and says so, and so is one whose needs (
 perf_analyzer, two GPUs) are missing. The kernels are compiled first (`kernels --warm`:
 FlashInfer JIT-compiles on first use, minutes on a fresh machine).
 `--steps` picks groups: tests, offline, decode, mechanisms, controls, structured, speculative,
-kernels, serving, tp.
+fp8, kernels, serving, tp. A step's command may name the logs' folder as `{out}` (JSON results).
 
 On a GPU host without a package index, what it lacks travels in `.carry/` (git-ignored):
 `site.tar.xz` (built by the `pack` subcommand from pinned wheels) is unpacked once into
@@ -31,7 +31,7 @@ from pathlib import Path
 from minisgl_backend.benchmark.cli import REPO_ROOT
 
 GROUPS = ("tests", "offline", "decode", "mechanisms", "controls", "structured", "speculative",
-          "kernels", "serving", "tp")
+          "fp8", "kernels", "serving", "tp")
 KERNEL_TESTS = ("test_triton_attention.py test_qkv_prologue.py test_fused_moe.py "
                 "test_activation.py test_sampling_kernel.py test_gemv.py test_logit_edits.py "
                 "test_penalties.py test_logprob_kernel.py test_token_masks_kernel.py "
@@ -47,11 +47,11 @@ class Step:
     group: str
     name: str
     limit_s: int
-    command: str  # a subcommand's arguments, or "tests FILE ..." (pytest)
+    command: str  # a subcommand's arguments ({out}: the logs' folder), or "tests FILE ..."
     needs: str = ""  # "triton": tritonserver and perf_analyzer; "2gpu": two GPUs
 
-    def argv(self) -> list[str]:
-        words = shlex.split(self.command)
+    def argv(self, out: Path) -> list[str]:
+        words = [word.replace("{out}", str(out)) for word in shlex.split(self.command)]
         if words[0] == "tests":
             return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     *(f"tests/{name}" for name in words[1:])]
@@ -78,6 +78,9 @@ STEPS = [
       for s in ("qwen3-0.6b", "llama-3.1-8b")),
     Step("speculative", "speculative-llama-3.1-8b", 420,
          "speculative --shape llama-3.1-8b --max-tokens 128 --attention-backend triton"),
+    Step("fp8", "fp8-accuracy", 240, "fp8 --parts accuracy --json {out}/fp8-accuracy.json"),
+    Step("fp8", "fp8-llama-3.1-8b", 480,
+         "fp8 --shape llama-3.1-8b --repeats 1 --json {out}/fp8-llama-3.1-8b.json"),
     Step("kernels", "kernels", 300, "kernels --batch-sizes 1 8 64 256 --page-sizes 16 64"),
     Step("serving", "serving-qwen3-0.6b", 600, "serving --shape qwen3-0.6b --page-size 64",
          "triton"),
@@ -136,7 +139,7 @@ def environment(out: Path) -> dict[str, str]:
 def run_step(step: Step, env: dict[str, str], out: Path) -> int:
     """The step's exit code (124: stopped at its limit, with every process it started)."""
     with open(out / f"{step.name}.log", "wb") as log:
-        process = subprocess.Popen(step.argv(), cwd=REPO_ROOT, env=env,
+        process = subprocess.Popen(step.argv(out), cwd=REPO_ROOT, env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return process.wait(timeout=step.limit_s)
