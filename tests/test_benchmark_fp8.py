@@ -58,8 +58,10 @@ def test_fp8_weight_bytes_count_projections_at_one_byte_with_channel_scales() ->
 def test_kv_part_reports_a_pool_too_small_without_timing() -> None:
     cache = SimpleNamespace(num_pages=256, page_size=16)
     llm = SimpleNamespace(scheduler=SimpleNamespace(cache=cache))
-    args = Namespace(kv_batch=2, kv_context=2048, kv_new_tokens=64, repeats=1, seed=0)
-    result = kv_run(args, llm, "baseline", 512)  # type: ignore[arg-type]
+    args = Namespace(kv_context=2040, kv_new_tokens=60, repeats=1, seed=0)
+    result = kv_run(args, llm, "baseline", 512, 2)  # type: ignore[arg-type]
+    assert result.part == "kv 2 x 2040"
+    # 2,100 tokens a request take 132 pages of 16
     assert result.value is None and "pool 4,096 tokens < 4,224 needed" in result.detail
     assert result.extra == {"pool_tokens": 4096, "needed_tokens": 4224}
 
@@ -88,16 +90,17 @@ def test_accuracy_part_on_a_tiny_model(tmp_path: Path) -> None:
 def test_speed_parts_on_a_tiny_model_side_by_side(tmp_path: Path) -> None:
     run = tool("fp8", *TINY, "--parts", "decode", "offline", "kv", "--num-requests", "4",
                "--min-len", "4", "--max-len", "12", "--new-tokens", "16", "--prompt-len", "4",
-               "--kv-batch", "2", "--kv-context", "64", "--kv-new-tokens", "8",
+               "--kv-batch", "2", "1", "--kv-context", "64", "--kv-new-tokens", "8",
                "--copy-mib", "16", "--repeats", "1", "--json", str(tmp_path / "speed.json"))
     assert run.returncode == 0, run.stdout[-3000:]
     _, rows = last_table(run.stdout)
     assert [row[:3] for row in rows] == [
+        ["kv 1 x 64", "baseline", "steps/s"], ["kv 1 x 64", "fp8 KV", "steps/s"],
         ["kv 2 x 64", "baseline", "steps/s"], ["kv 2 x 64", "fp8 KV", "steps/s"],
         ["decode batch 1", "baseline", "tok/s"], ["decode batch 1", "fp8", "tok/s"],
         ["offline anchor", "baseline", "output tok/s"], ["offline anchor", "fp8", "output tok/s"]]
     assert all(number(row[3]) > 0 and number(row[4]) > 0 for row in rows)
-    assert all("2 rows at once" in row[5] for row in rows[:2])
-    assert "roofline" in rows[2][5] and "roofline" in rows[3][5]
+    assert all("2 rows at once" in row[5] for row in rows[2:4])
+    assert "roofline" in rows[4][5] and "roofline" in rows[5][5]
     assert "a smoke run, not the GPU figures" in run.stdout
-    assert len(json.loads((tmp_path / "speed.json").read_text())["results"]) == 6
+    assert len(json.loads((tmp_path / "speed.json").read_text())["results"]) == 8

@@ -17,10 +17,11 @@ Speed (a GPU; --shape, random weights of a real shape), each FP8 run against the
 `quantization="fp8"`, each against its roofline: the copy bandwidth over the weight bytes a
 step reads (FP8: the projections at 1 byte with a float32 scale per output channel, the
 embeddings, LM head and norms in the model's dtype); `offline`: the anchor workload
-(`offline`'s options) through one `generate` call; `kv`: the decode step rate of --kv-batch
-requests of --kv-context random tokens each (prefilled once, then taken from the prefix
-cache), bf16 KV against `kv_cache_dtype="fp8_e4m3"`, and each pool's capacity in tokens. A
-pool that cannot hold every request at once is reported, not timed.
+(`offline`'s options) through one `generate` call; `kv`: the decode step rate of each
+--kv-batch count of requests of --kv-context random tokens (prefilled once, then taken from
+the prefix cache; a smaller batch's prompts begin a larger one's), bf16 KV against
+`kv_cache_dtype="fp8_e4m3"`, and each pool's capacity in tokens. A pool that cannot hold every
+request at once is reported, not timed.
 
 One engine per run; a speed engine runs each of its parts in turn. --json FILE writes the
 header, the table and the unrounded results.
@@ -90,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="decode")
     parser.add_argument("--repeats", type=int, default=2, help="decode, kv: best of this many")
     parser.add_argument("--copy-mib", type=int, help="decode: bandwidth probe size")
-    parser.add_argument("--kv-batch", type=int, default=64, help="kv: requests")
+    parser.add_argument("--kv-batch", type=int, nargs="+", default=[64],
+                        help="kv: requests, one measurement per count")
     parser.add_argument("--kv-context", type=int, default=8192, help="kv: prompt tokens each")
     parser.add_argument("--kv-new-tokens", type=int, default=64, help="kv: T")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
@@ -150,12 +152,13 @@ def generated(llm: LLM, workload: Workload) -> int:
     return sum(len(o.token_ids) for o in llm.generate(workload.prompts, workload.params))
 
 
-def kv_run(args: argparse.Namespace, llm: LLM, run: str, vocab: int) -> Result:
-    """The decode step rate of --kv-batch requests of --kv-context tokens (the same prompts
-    every call: after the warm-up's prefill, each call takes them from the prefix cache)."""
+def kv_run(args: argparse.Namespace, llm: LLM, run: str, vocab: int, batch: int) -> Result:
+    """The decode step rate of `batch` requests of --kv-context tokens (the same prompts every
+    call: after the warm-up's prefill, each call takes them from the prefix cache)."""
     cache = llm.scheduler.cache
-    pool, batch = cache.num_pages * cache.page_size, args.kv_batch
-    needed = batch * (args.kv_context + args.kv_new_tokens)
+    pool = cache.num_pages * cache.page_size
+    per_request = -(-(args.kv_context + args.kv_new_tokens) // cache.page_size)
+    needed = batch * per_request * cache.page_size
     extra = {"pool_tokens": pool, "needed_tokens": needed}
     part = f"kv {batch} x {args.kv_context}"
     if needed > pool:
@@ -216,8 +219,8 @@ def speed(args: argparse.Namespace, folder: Path, config: dict[str, Any],
     workload = offline.make_workload(args, folder, vocab) if "offline" in parts else None
     overrides = {}
     if "kv" in parts and (args.max_running_requests
-                          or EngineSettings().max_running_requests) < args.kv_batch:
-        overrides["max_running_requests"] = args.kv_batch
+                          or EngineSettings().max_running_requests) < max(args.kv_batch):
+        overrides["max_running_requests"] = max(args.kv_batch)
     # kv first: its rows-at-once count is the engine's peak before the other parts run
     order = [p for p in ("kv", "decode", "offline") if p in parts]
     for run, settings in SPEED_RUNS.items():
@@ -227,15 +230,16 @@ def speed(args: argparse.Namespace, folder: Path, config: dict[str, Any],
         with cli.make_llm(args, folder, **overrides, **settings) as llm:
             for part in mine:
                 if part == "kv":
-                    results.append(kv_run(args, llm, run, vocab))
+                    done = [kv_run(args, llm, run, vocab, batch)
+                            for batch in sorted(args.kv_batch)]
                 elif part == "decode":
-                    results.append(decode_run(args, llm, run, vocab, roofs[run]))
+                    done = [decode_run(args, llm, run, vocab, roofs[run])]
                 else:
-                    results.append(offline_run(args, llm, run, vocab, workload))
-                value = results[-1].value
-                print(f"{results[-1].part}, {run}: "
-                      f"{'-' if value is None else f'{value:.2f}'} {results[-1].figure}",
-                      flush=True)
+                    done = [offline_run(args, llm, run, vocab, workload)]
+                for r in done:
+                    value = "-" if r.value is None else f"{r.value:.2f}"
+                    print(f"{r.part}, {run}: {value} {r.figure}; {r.detail}", flush=True)
+                results += done
     return results
 
 
@@ -277,7 +281,8 @@ def notes_of(args: argparse.Namespace, results: list[Result], parts: list[str]) 
     if any(p in parts for p in PART_RUNS) and cli.torch_device(args).type != "cuda":
         notes.append("speed parts on a CPU: a smoke run, not the GPU figures")
     if "kv" in parts:
-        notes.append(f"kv: {args.kv_batch} requests of {args.kv_context} random tokens, "
+        notes.append(f"kv: {' and '.join(map(str, sorted(args.kv_batch)))} requests of "
+                     f"{args.kv_context} random tokens, "
                      f"decode = t(max_tokens={args.kv_new_tokens}) - t(max_tokens=1), best of "
                      f"{args.repeats}")
     if "decode" in parts:
