@@ -5,7 +5,7 @@ included, so that outputs do not depend on chunking, prefix hits or the backend.
 The pool and the Triton kernels (in Triton's interpreter on CPU) are checked bit for bit
 against the torch arithmetic; the engine's greedy output against HF transformers (float32)
 whose attention sees its key and value states quantized and dequantized the same way.
-GPU-only tests (skipped here): the compiled kernels, FlashInfer, CUDA graphs.
+GPU-only tests (skipped without CUDA): the compiled kernels, FlashInfer, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.test_triton_attention import (CPU, GPU, LAYERS, SCENARIOS, TARGETS, T
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 CUDA = torch.cuda.is_available()
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-# Per-layer scales of the backend tests: neither is a power of two (the e4m3 grid moves), and
+# Per-layer scales of the backend tests: none is a power of two (the e4m3 grid moves), and
 # random values of a few units saturate under the second layer's.
 K_SCALES = [0.37, 0.0061]
 V_SCALES = [1.7, 0.0093]
