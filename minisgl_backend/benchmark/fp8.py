@@ -102,9 +102,6 @@ def parts_of(args: argparse.Namespace) -> list[str]:
     return args.parts or (["accuracy"] if args.shape is None else list(PARTS[1:]))
 
 
-# ----- accuracy -------------------------------------------------------------------------------
-
-
 def text_ids(tokenizer: Any, limit: int | None = None) -> list[int]:
     """The perplexity text's token ids (the tokenizer's own special tokens added)."""
     ids = encode_prompt(tokenizer, TEXT_PATH.read_text())
@@ -143,9 +140,6 @@ def accuracy(args: argparse.Namespace, folder: Path) -> list[Result]:
             results.append(accuracy_run(llm, run, text_ids(llm.tokenizer, args.text_tokens)))
         print(f"accuracy, {run}: perplexity {results[-1].value:.4f}", flush=True)
     return results
-
-
-# ----- speed ----------------------------------------------------------------------------------
 
 
 def generated(llm: LLM, workload: Workload) -> int:
@@ -241,9 +235,6 @@ def speed(args: argparse.Namespace, folder: Path, config: dict[str, Any],
                     print(f"{r.part}, {run}: {value} {r.figure}; {r.detail}", flush=True)
                 results += done
     return results
-
-
-# ----- report ---------------------------------------------------------------------------------
 
 
 def vs_baseline(results: list[Result]) -> list[float | None]:
