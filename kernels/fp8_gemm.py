@@ -186,7 +186,7 @@ def matmul_tiles(rows: int) -> MatmulTiles:
     return MatmulTiles(block_m=128, block_n=128, num_warps=8)
 
 
-MAX_BLOCK_K = 128  # e4m3 tiles of 128 columns: a K step of 128 MMA products per scale
+MAX_BLOCK_K = 128  # the widest K step: e4m3 tiles of 128-byte rows
 
 
 def _scale_view(scale: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
