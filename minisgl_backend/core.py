@@ -365,6 +365,11 @@ class Req:
     admitted_ns: int = 0  # when (time.time_ns())
     reused_pages: int = 0  # pages of the prefix cache it took on admission
     cache_handle: Any = None
+    # LoRA: the adapter (0: the base model), its device slot once admitted (-1: none), and
+    # whether the engine must copy the adapter into that slot with the admitting step.
+    lora_id: int = 0
+    lora_slot: int = -1
+    lora_load: bool = False
     pages: list[int] = field(default_factory=list)
     pages_sent: int = 0  # how many of `pages` the engine already has in its row
     owned_pages: set[int] = field(default_factory=set)
@@ -439,6 +444,8 @@ class Batch:
     # Prefill steps: per request, whether its KV takes LongRoPE's long frequencies (on cpu;
     # `Req.long_rope`). None in decode steps, where a token's position tells.
     long_rope: np.ndarray | None = None
+    # The tokens that take a LoRA adapter, grouped by slot (`lora.ops.LoraRows`); None: none.
+    lora: Any = None
 
     @property
     def size(self) -> int:

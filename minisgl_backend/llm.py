@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import EngineConfig
+from minisgl_backend.lora.config import read_adapter_configs
 from minisgl_backend.scheduler import Scheduler, SchedulerConfig
 from minisgl_backend.scheduler.output import GenerationOutput, OutputCallback, RequestOutput
 from minisgl_backend.settings import EngineHooks, split_settings
@@ -53,6 +54,7 @@ class LLM:
         from minisgl_backend.models import ModelConfig
 
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
+        read_adapter_configs(general.lora_adapters, general.max_lora_rank)  # and bad adapters
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
         drafts = spec.num_speculative_tokens if spec.enabled or general.jump_forward else 0
@@ -73,27 +75,32 @@ class LLM:
             kv_cache_dtype="fp8_e4m3" if general.kv_cache_dtype.startswith("fp8") else "auto")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerationOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | None | Sequence[str | None] = None) -> list[GenerationOutput]:
         """Generate for every prompt (a string or a list of token ids); results in prompt order,
-        `n` per prompt (`SamplingParams.n`; prompt 0's samples first, by `.index`).
+        `n` per prompt (`SamplingParams.n`; prompt 0's samples first, by `.index`). `lora`: the
+        LoRA adapter (a name of the `lora_adapters` setting) of every prompt, or one per prompt;
+        None: the base model.
 
         Raises ValueError for an invalid prompt or settings, RuntimeError if the engine fails.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        adapters = _as_lora_list(lora, len(prompt_list))
         token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
         checked = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"sampling_params[{i}].stop needs a tokenizer in the model folder")
             try:
+                self.scheduler.loras.id_of(adapters[i])
                 checked.append(self.scheduler.check_request(ids, p))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
         collector = _Collector([p.n for p in params])
         for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self.scheduler.submit(ids, p, collector.callback_for(i), checked[i], stream=False)
+            self.scheduler.submit(ids, p, collector.callback_for(i), checked[i], stream=False,
+                                  lora=adapters[i])
         return collector.wait()
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
@@ -177,6 +184,15 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _as_lora_list(lora: str | None | Sequence[str | None], count: int) -> list[str | None]:
+    if lora is None or isinstance(lora, str):
+        return [lora] * count
+    adapters = list(lora)
+    if len(adapters) != count:
+        raise ValueError(f"lora: {len(adapters)} adapters for {count} prompts")
+    return adapters
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl_backend.fields import Spec, check_value, spec_field, specs_of, validate
+from minisgl_backend.lora.config import check_lora_adapters
 from minisgl_backend.speculative.config import SpeculativeConfig
 
 FUSED_GEMV_MAX_BS = 16  # rows the few-rows GEMV kernel takes (kernels/gemv.py MAX_ROWS)
@@ -81,6 +82,14 @@ class EngineSettings:
         2, "int", "GPU, `tp_size` 1: decode batches up to this size run each small dense "
         "layer as few-rows GEMV kernels with the norms, SiLU-and-mul and residual adds folded "
         "in (0: off)", low=0, high=FUSED_GEMV_MAX_BS)
+    lora_adapters: str = spec_field(
+        "", "custom", "LoRA adapters served beside the base model, `name=folder` pairs "
+        "separated by commas (PEFT folders); requests pick one by name",
+        normalize=check_lora_adapters, accepts="'name=folder,name=folder'")
+    max_loras: int = spec_field(
+        4, "int", "LoRA adapters on the device at once; requests for others wait for a slot "
+        "no running request uses", low=1)
+    max_lora_rank: int = spec_field(16, "int", "the largest LoRA rank accepted", low=1)
     jump_forward: bool = spec_field(
         True, "bool", "structured output: the tokens a grammar forces are verified in one "
         "step (same output)")

@@ -31,6 +31,9 @@ from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool, resolve_kv_dtype
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
+from minisgl_backend.lora.config import read_adapter_configs
+from minisgl_backend.lora.ops import LoraRows
+from minisgl_backend.lora.weights import LoraSet
 from minisgl_backend.models import ModelConfig, create_model
 
 logger = logging.getLogger(__name__)
@@ -153,6 +156,7 @@ class Engine:
         self.model = create_model(config.model_dir, self.model_config, self.device, self.dtype,
                                   load_format=config.load_format,
                                   quantization=config.quantization)
+        self.lora = self._load_adapters(config)
         self.page_size = config.page_size
         self.num_pages = self._decide_num_pages(free_before)
         mc = self.model_config
@@ -191,6 +195,14 @@ class Engine:
                 min(config.cuda_graph_max_bs, config.max_samples), self.page_table,
                 self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size)
 
+    def _load_adapters(self, config: EngineConfig) -> LoraSet | None:
+        """The LoRA adapters of `lora_adapters`, read for this rank; None without any."""
+        configs = read_adapter_configs(config.lora_adapters, config.max_lora_rank)
+        if not configs:
+            return None
+        return LoraSet(self.model, configs, config.max_loras, config.max_lora_rank,
+                       self.device, self.dtype)
+
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""
         dev = self.device
@@ -205,6 +217,7 @@ class Engine:
                                       device=dev)
         self.row_pages = np.zeros(num_rows, dtype=np.int64)  # pages mapped per row (on cpu)
         self.row_len = np.zeros(num_rows, dtype=np.int64)  # tokens with KV per row (on cpu)
+        self.row_lora = np.full(num_rows, -1, dtype=np.int64)  # adapter slot per row (-1: none)
         self.row_long = np.zeros(num_rows, dtype=bool)  # KV in LongRoPE's long frequencies
         # Every row's sampling settings and the logits controls' state.
         self.controls = LogitControls(num_rows, self.model_config.vocab_size, self.token_pool)
@@ -256,6 +269,10 @@ class Engine:
         if self.timeline is not None:
             self.timeline.begin(waited)
         rows = np.asarray(msg.rows, dtype=np.int64)
+        if len(msg.lora_load_slots):
+            assert self.lora is not None, "an adapter load for an engine without adapters"
+            for slot, adapter in zip(msg.lora_load_slots, msg.lora_load_ids):
+                self.lora.load(int(slot), int(adapter))
         if len(msg.admit_rows):
             self._admit(msg)
         if len(msg.long_rope_rows):
@@ -361,6 +378,8 @@ class Engine:
         rows = np.asarray(msg.admit_rows, dtype=np.int64)
         self.row_pages[rows] = self.row_len[rows] = 0
         self.row_long[rows] = False
+        self.row_lora[rows] = -1
+        self.row_lora[np.asarray(msg.lora_rows, dtype=np.int64)] = msg.lora_slots
         self.controls.admit(msg)
 
     def _start_long_rope(self, msg: StepMessage) -> None:
@@ -407,15 +426,19 @@ class Engine:
         self.row_len[given] = starts + lens
         self.row_len[others] += 1
         out_slots = token_slots(self.host_page_table, token_rows, positions, self.page_size)
+        lora = (LoraRows.of(self.row_lora[token_rows], self.device) if self.lora is not None
+                else None)
         if msg.is_prefill:
-            return self._prefill_batch(rows, msg, new_pages, token_rows, positions, out_slots,
-                                       num_given), rows, False
+            batch = self._prefill_batch(rows, msg, new_pages, token_rows, positions, out_slots,
+                                        num_given)
+            batch.lora = lora
+            return batch, rows, False
         # A decode step. Each token is a decode row of its own (its table row repeated),
         # attending to the row's tokens up to itself: the tokens' KV is stored before attention
         # runs, so with drafts this is causal attention on the decode kernels and CUDA graphs.
         seq_lens = positions + 1
         runner = self.graph_runner
-        graphed = (runner is not None and runner.fits(len(token_rows))
+        graphed = (runner is not None and lora is None and runner.fits(len(token_rows))
                    and runner.fits(len(new_pages[0])))
         host = [token_rows, positions, out_slots, seq_lens]
         if graphed:
@@ -434,7 +457,8 @@ class Engine:
                      else self.token_pool[rows_t, positions_t].long())
         return Batch(phase="decode", rows=rows_t, input_ids=input_ids, positions=positions_t,
                      out_slots=slots_t, extend_lens=[1] * len(token_rows),
-                     seq_lens=seq_lens.tolist(), seq_lens_device=seq_lens_t), token_rows, graphed
+                     seq_lens=seq_lens.tolist(), seq_lens_device=seq_lens_t,
+                     lora=lora), token_rows, graphed
 
     def _prefill_batch(self, rows: np.ndarray, msg: StepMessage,
                        new_pages: tuple[np.ndarray, np.ndarray], token_rows: np.ndarray,

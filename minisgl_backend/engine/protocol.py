@@ -125,6 +125,12 @@ class StepMessage:
     # samples are prompt chunks' (not output tokens, for the penalties' counts).
     long_rope_rows: Values = _array("int32")
     long_rope_lens: Values = _array("int32")
+    # LoRA: adapters copied into device slots before this step (slot, adapter id from 1), and
+    # the admitted rows that take one (row, slot); other admitted rows take none.
+    lora_load_slots: Values = _array("int32")
+    lora_load_ids: Values = _array("int32")
+    lora_rows: Values = _array("int32")
+    lora_slots: Values = _array("int32")
     # Prefill rows (batch indices) whose computed tokens' logits come back (prompt logits).
     context_rows: Values = _array("int32")
     # Structured output: the rows (batch indices) whose next token a grammar constrains, and

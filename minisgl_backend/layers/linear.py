@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_backend.core import get_global_ctx
 from minisgl_backend.distributed import all_reduce, get_tp_info
+from minisgl_backend.lora.ops import LoraStack, add_lora
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -35,6 +37,7 @@ class ParallelLinear(nn.Module):
     weight: nn.Parameter
     fp8 = False
     block: tuple[int, int] | None = None  # the FP8 weight's scale block (None: per channel)
+    lora: LoraStack | None = None  # LoRA adapter slots (`lora/weights.py`), where any targets it
 
     def to_fp8(self, block: tuple[int, int] | None, static_input: bool) -> None:
         """Hold the weight as FP8 from now on (on the meta device, before loading)."""
@@ -50,11 +53,17 @@ class ParallelLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fp8:
-            return F.linear(x, self.weight, bias)
-        from minisgl_backend.quantization.fp8_ops import fp8_linear
+            out = F.linear(x, self.weight, bias)
+        else:
+            from minisgl_backend.quantization.fp8_ops import fp8_linear
 
-        return fp8_linear(x, self.weight, self.weight_scale, block=self.block,
-                          input_scale=self.input_scale, bias=bias)
+            out = fp8_linear(x, self.weight, self.weight_scale, block=self.block,
+                             input_scale=self.input_scale, bias=bias)
+        if self.lora is not None:
+            rows = get_global_ctx().batch.lora
+            if rows is not None:  # some of this step's tokens take an adapter
+                add_lora(out, x, self.lora, rows)
+        return out
 
 
 class ReplicatedLinear(nn.Module):

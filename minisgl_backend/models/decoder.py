@@ -14,8 +14,8 @@ from minisgl_backend.core import Context, get_global_ctx
 from minisgl_backend.device_copy import host_to_device
 from minisgl_backend.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_backend.layers.fast_ops import gelu_tanh_and_mul, silu_and_mul, use_triton_kernels
-from minisgl_backend.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                           RowParallelLinear)
+from minisgl_backend.layers.linear import (MergedColumnParallelLinear, ParallelLinear,
+                                           QKVParallelLinear, RowParallelLinear)
 from minisgl_backend.layers.moe import MoEMLP
 from minisgl_backend.layers.norm import GemmaRMSNorm, RMSNorm
 from minisgl_backend.layers.rotary import RotaryEmbedding
@@ -138,6 +138,13 @@ class DecoderLayer(nn.Module):
         self.fused_gemv_fits = (  # a plain dense layer, small enough, without biases
             isinstance(self.mlp, GatedMLP) and not config.gemma and not config.qkv_bias
             and not config.o_bias and self._projection_weights() <= FUSED_GEMV_MAX_LAYER_WEIGHTS)
+
+    def projection(self, name: str) -> ParallelLinear | None:
+        """The projection `name` ("self_attn.qkv_proj", "mlp.down_proj", ...); None in an MoE
+        layer, whose MLP has experts instead."""
+        owner, _, attr = name.partition(".")
+        module = getattr(getattr(self, owner), attr, None)
+        return module if isinstance(module, ParallelLinear) else None
 
     def _projection_weights(self) -> int:
         attn, mlp = self.self_attn, self.mlp

@@ -94,14 +94,14 @@ class CheckpointReader:
         return math.prod(self._handles[name].get_slice(name).get_shape())
 
 
-def _split(size: int) -> tuple[int, int]:
+def rank_split(size: int) -> tuple[int, int]:
     """This rank's [start, stop) of a dimension split evenly over the ranks."""
     tp = get_tp_info()
     shard = size // tp.size
     return tp.rank * shard, (tp.rank + 1) * shard
 
 
-def _kv_head_range(config: ModelConfig) -> tuple[int, int]:
+def kv_head_range(config: ModelConfig) -> tuple[int, int]:
     tp = get_tp_info()
     if config.num_kv_heads >= tp.size:
         per_rank = config.num_kv_heads // tp.size
@@ -152,8 +152,8 @@ class WeightLoader:
     def _qkv(self, m: re.Match[str]) -> torch.Tensor:
         prefix, kind = self.checkpoint_name(m.group(1)), m.group(2)
         c, hd = self.config, self.config.head_dim
-        q0, q1 = _split(c.num_heads)
-        k0, k1 = _kv_head_range(c)
+        q0, q1 = rank_split(c.num_heads)
+        k0, k1 = kv_head_range(c)
         fused = f"{prefix}.qkv_proj"
         if f"{fused}.weight" in self.reader:  # Phi-3: [q; k; v] rows in one tensor
             k_at, v_at = c.num_heads * hd, (c.num_heads + c.num_kv_heads) * hd
@@ -168,7 +168,7 @@ class WeightLoader:
     def _gate_up(self, m: re.Match[str]) -> torch.Tensor:
         prefix, kind = self.checkpoint_name(m.group(1)), m.group(2)
         size = self.config.intermediate_size
-        start, stop = _split(size)
+        start, stop = rank_split(size)
         fused = f"{prefix}.gate_up_proj"
         if f"{fused}.weight" in self.reader:  # Phi-3: [gate; up] rows in one tensor
             parts = [(fused, start, stop), (fused, size + start, size + stop)]
@@ -209,7 +209,8 @@ class WeightLoader:
         """(checkpoint module, tensor kind, this rank's [start, stop) input columns)."""
         full_in = (self.config.num_heads * self.config.head_dim if m.group(2) == "o_proj"
                    else self.config.intermediate_size)
-        return self.checkpoint_name(f"{m.group(1)}.{m.group(2)}"), m.group(3), _split(full_in)
+        module = self.checkpoint_name(f"{m.group(1)}.{m.group(2)}")
+        return module, m.group(3), rank_split(full_in)
 
     def quantized_online(self, name: str, layer: torch.nn.Module,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +266,7 @@ class WeightLoader:
         return self.reader.rows(f"{self._moe(m.group(1))}.gate.weight")
 
     def _experts_w13(self, m: re.Match[str]) -> torch.Tensor:
-        start, stop = _split(self.config.moe_intermediate_size)
+        start, stop = rank_split(self.config.moe_intermediate_size)
         experts = []
         for e in range(self.config.num_experts):
             base = f"{self._moe(m.group(1))}.experts.{e}"
@@ -275,7 +276,7 @@ class WeightLoader:
         return torch.stack(experts)
 
     def _experts_w2(self, m: re.Match[str]) -> torch.Tensor:
-        start, stop = _split(self.config.moe_intermediate_size)
+        start, stop = rank_split(self.config.moe_intermediate_size)
         base = f"{self._moe(m.group(1))}.experts"
         return torch.stack([self.reader.cols(f"{base}.{e}.{self.down_name}.weight", start, stop)
                             for e in range(self.config.num_experts)])

@@ -41,7 +41,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
                              "FP8 MoE experts are not implemented (list them in the "
                              "quantization config's ignore list to keep them unquantized)")
         for name, variants in PROJECTION_PARTS.items():
-            linear = _projection(layer, name)
+            linear = layer.projection(name)
             if linear is None:
                 continue  # an MoE layer's experts
             parent = f"{prefix}.{name.split('.')[0]}"
@@ -58,17 +58,10 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
                 _check_blocks(linear, f"{prefix}.{name}", scheme.block, tp)
             linear.to_fp8(scheme.block, scheme.static_inputs)
             count += 1
-        if any(getattr(_projection(layer, n), "fp8", False) for n in PROJECTION_PARTS):
+        if any(getattr(layer.projection(n), "fp8", False) for n in PROJECTION_PARTS):
             # The fused few-rows GEMVs read bf16 weights; FP8 layers take fp8_linear's own.
             layer.fused_gemv_fits = False
     logger.info("%s: %d projections in FP8", scheme.describe(), count)
-
-
-def _projection(layer: nn.Module, name: str) -> ParallelLinear | None:
-    """The layer's projection `name` (None in an MoE layer, whose MLP has experts instead)."""
-    owner, _, attr = name.partition(".")
-    module = getattr(getattr(layer, owner), attr, None)
-    return module if isinstance(module, ParallelLinear) else None
 
 
 def _experts_quantized(config: object, scheme: QuantScheme, layer: nn.Module,

@@ -15,13 +15,15 @@ from collections import deque
 
 from minisgl_backend.core import Req
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
+from minisgl_backend.scheduler.lora import AdapterSlots
 from minisgl_backend.scheduler.table import RowAllocator
 
 
 class PrefillManager:
     def __init__(self, cache: CacheManager, rows: RowAllocator, chunk_size: int,
-                 max_running: int) -> None:
+                 max_running: int, loras: AdapterSlots | None = None) -> None:
         self.cache = cache
+        self.loras = loras
         self.rows = rows
         self.chunk_size = chunk_size
         self.max_running = max_running
@@ -91,10 +93,14 @@ class PrefillManager:
         """Give `req` a row and its cached prefix if its KV fits; return its future pages."""
         if self.rows.num_free == 0:
             return None
+        if req.lora_id and not (self.loras is not None and self.loras.can_acquire(req.lora_id)):
+            return None  # every adapter slot is held by running requests of other adapters
         req.long_rope = self.cache.takes_long_rope(req.prompt_len)
         need = self._take_cached_prefix(req, reserved)
         if need is None:
             return None
+        if req.lora_id and self.loras is not None:
+            req.lora_slot, req.lora_load = self.loras.acquire(req.lora_id)
         req.table_idx = self.rows.allocate()
         req.prefix_hit_len = req.cached_len
         req.reused_pages = len(req.pages)

@@ -34,6 +34,7 @@ from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
 from minisgl_backend.scheduler.decode import DecodeManager
 from minisgl_backend.scheduler.engine_client import EngineClient, EngineDeadError
+from minisgl_backend.scheduler.lora import AdapterSlots
 from minisgl_backend.scheduler.output import OutputCallback, OutputTracker, RequestOutput
 from minisgl_backend.scheduler.prefill import PrefillManager
 from minisgl_backend.scheduler.speculation import Speculator
@@ -148,8 +149,9 @@ class Scheduler:
                                   create_prefix_cache(config.engine.cache, page_size),
                                   self.engine.long_rope_from)
         self.rows = RowAllocator(config.engine.max_running_requests)
+        self.loras = AdapterSlots(config.engine.lora_adapters, config.engine.max_loras)
         self.prefill = PrefillManager(self.cache, self.rows, config.engine.chunked_prefill_size,
-                                      config.engine.max_running_requests)
+                                      config.engine.max_running_requests, self.loras)
         self.decode = DecodeManager()
         self.speculator = Speculator(
             config.speculative, config.engine.jump_forward, config.engine.samples_per_row - 1,
@@ -215,7 +217,7 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                callback: OutputCallback, checked: CheckedRequest | None = None,
-               stream: bool = True) -> int:
+               stream: bool = True, lora: str | None = None) -> int:
         """Queue a request; `callback` gets its outputs on the scheduler thread. Returns its uid.
 
         Its `params.n` samples run as requests `uid .. uid + n - 1` (`RequestOutput.index`;
@@ -223,14 +225,17 @@ class Scheduler:
         prefix cache. An invalid request, a dead engine or a shut-down scheduler ends every
         sample with an error. `checked`: `check_request`'s answer, if the caller already has
         it. `stream` False: each sample's whole output comes at its end (`OutputTracker`).
+        `lora`: the name of the LoRA adapter it runs under (None: the base model).
         """
         seed = params.seed if params.seed is not None else random.getrandbits(64)
         error = None
-        if checked is None:
-            try:
+        lora_id = 0
+        try:
+            lora_id = self.loras.id_of(lora)
+            if checked is None:
                 checked = self.check_request(prompt_ids, params)
-            except ValueError as exc:
-                error, checked = str(exc), CheckedRequest((), None)
+        except ValueError as exc:
+            error, checked = str(exc), CheckedRequest((), None)
         with self._uid_lock:  # queued under the lock: nothing is queued after shutdown's None
             uid, self._next_uid = self._next_uid, self._next_uid + params.n
             reqs = [Req(uid=uid + i, input_ids=list(prompt_ids), prompt_len=len(prompt_ids),
@@ -241,7 +246,7 @@ class Scheduler:
             if error is None:
                 for req in reqs:
                     req.bans, req.wait_for = checked.bans, (reqs[0] if req.index else None)
-                    req.grammar = checked.grammar
+                    req.grammar, req.lora_id = checked.grammar, lora_id
                 self._inbox.put(_Submit(reqs, callback, stream))
                 return uid
         for req in reqs:
@@ -356,7 +361,7 @@ class Scheduler:
         if req.table_idx >= 0:  # admitted: give back its row and pages
             self.decode.remove(req)
             self.cache.release(req, cache=False)
-            self.rows.free(req.table_idx)
+            self._free_row(req)
         self.speculator.finish(req)
         tracker.fail("abort", "the request was cancelled")
 
@@ -633,8 +638,15 @@ class Scheduler:
             del self.group_size[first]
         self.decode.remove(req)
         self.cache.release(req, cache=True)
-        self.rows.free(req.table_idx)
+        self._free_row(req)
         req.table_idx = -1
+
+    def _free_row(self, req: Req) -> None:
+        """Give back an admitted request's table row and adapter slot."""
+        self.rows.free(req.table_idx)
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _die(self, reason: str) -> None:
         logger.error("engine failed: %s", reason)
@@ -668,6 +680,13 @@ def add_admission(msg: StepMessage, req: Req, stop_ids: list[int], vocab_size: i
     if msg.admit is None:
         msg.admit = RowSampling.of((), vocab_size)
     msg.admit.append(p, seed_to_int64(req.seed), vocab_size)
+    if req.lora_slot >= 0:
+        if req.lora_load:  # copied into its slot before the step runs
+            msg.lora_load_slots.append(req.lora_slot)
+            msg.lora_load_ids.append(req.lora_id)
+            req.lora_load = False
+        msg.lora_rows.append(row)
+        msg.lora_slots.append(req.lora_slot)
     if req.long_rope:  # a prompt past LongRoPE's pretraining length
         msg.long_rope_rows.append(row)
         msg.long_rope_lens.append(req.prompt_len)
