@@ -13,7 +13,8 @@ from typing import Any, Sequence
 
 from minisgl_backend.core import SamplingParams, check_token_ids
 from minisgl_backend.engine.config import EngineConfig
-from minisgl_backend.lora.config import read_adapter_configs
+from minisgl_backend.lora.config import (check_adapter_tensors, read_adapter_config,
+                                         read_adapter_configs)
 from minisgl_backend.scheduler import Scheduler, SchedulerConfig
 from minisgl_backend.scheduler.output import GenerationOutput, OutputCallback, RequestOutput
 from minisgl_backend.settings import EngineHooks, split_settings
@@ -54,7 +55,10 @@ class LLM:
         from minisgl_backend.models import ModelConfig
 
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
-        read_adapter_configs(general.lora_adapters, general.max_lora_rank)  # and bad adapters
+        for adapter in read_adapter_configs(general.lora_adapters, general.max_lora_rank):
+            check_adapter_tensors(adapter, model_config)  # and on adapters that do not fit
+        self._model_config = model_config
+        self._settings = general
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
         drafts = spec.num_speculative_tokens if spec.enabled or general.jump_forward else 0
@@ -102,6 +106,20 @@ class LLM:
             self.scheduler.submit(ids, p, collector.callback_for(i), checked[i], stream=False,
                                   lora=adapters[i])
         return collector.wait()
+
+    def load_lora(self, name: str, folder: str | Path) -> None:
+        """Serve the PEFT LoRA adapter in `folder` as `name` from now on (LoRA must be on:
+        `enable_lora` or `lora_adapters`). ValueError naming what does not fit."""
+        if not self._settings.lora_enabled:
+            raise ValueError("lora: adapters cannot be loaded: LoRA is off (set enable_lora, or "
+                             "name adapters in lora_adapters)")
+        adapter = read_adapter_config(name, Path(folder), self._settings.max_lora_rank)
+        check_adapter_tensors(adapter, self._model_config)
+        self.scheduler.loras.register(name, Path(folder))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` to new requests (those already queued finish under it)."""
+        self.scheduler.loras.unregister(name)
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

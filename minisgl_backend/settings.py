@@ -86,6 +86,9 @@ class EngineSettings:
         "", "custom", "LoRA adapters served beside the base model, `name=folder` pairs "
         "separated by commas (PEFT folders); requests pick one by name",
         normalize=check_lora_adapters, accepts="'name=folder,name=folder'")
+    enable_lora: bool = spec_field(
+        False, "bool", "LoRA adapters may be loaded at run time (`LLM.load_lora`, TensorRT-LLM's "
+        "`lora_task_id`); on whenever `lora_adapters` names any")
     max_loras: int = spec_field(
         4, "int", "LoRA adapters on the device at once; requests for others wait for a slot "
         "no running request uses", low=1)
@@ -93,6 +96,10 @@ class EngineSettings:
     jump_forward: bool = spec_field(
         True, "bool", "structured output: the tokens a grammar forces are verified in one "
         "step (same output)")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_adapters.strip())
 
     def __post_init__(self) -> None:
         validate(self)

@@ -172,3 +172,67 @@ def test_adapter_slots_evict_the_least_recently_used_free_slot() -> None:
     assert slots.acquire(2) == (1, False)  # b is still there
     with pytest.raises(ValueError, match="unknown adapter 'd'"):
         slots.id_of("d")
+
+
+def test_adapters_loaded_at_run_time_equal_peft(models: dict[str, dict[str, Path]]) -> None:
+    """Loaded after start (two slots for three adapters), unloaded: new requests naming it are
+    refused, the others unchanged."""
+    folders = models["qwen3"]
+    prompts = mixed_prompts(8)
+    expected = oracle(folders, prompts, MIXED)
+    with LLM(folders["base"], device="cpu", hooks=CHECKED, enable_lora=True, max_lora_rank=8,
+             max_loras=2, page_size=16) as llm:
+        with pytest.raises(ValueError, match="unknown adapter 'qv4'"):
+            llm.generate(prompts[:1], GREEDY, lora="qv4")
+        for name in ADAPTERS:
+            llm.load_lora(name, folders[name])
+        with pytest.raises(ValueError, match="'qv4' is already loaded"):
+            llm.load_lora("qv4", folders["qv4"])
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, lora=MIXED)] == expected
+        llm.unload_lora("all8")
+        with pytest.raises(ValueError, match="unknown adapter 'all8'"):
+            llm.generate(prompts[:1], GREEDY, lora="all8")
+        kept = [i for i, name in enumerate(MIXED) if name != "all8"]
+        outputs = llm.generate([prompts[i] for i in kept], GREEDY, lora=[MIXED[i] for i in kept])
+        assert [o.token_ids for o in outputs] == [expected[i] for i in kept]
+    with LLM(folders["base"], device="cpu") as llm, pytest.raises(ValueError, match="LoRA is off"):
+        llm.load_lora("qv4", folders["qv4"])
+
+
+def test_adapters_that_do_not_fit_the_base_are_refused(
+        models: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["llama"]["qv4"], bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[name] = torch.zeros(4, 32)  # the base's hidden size is 64
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with LLM(models["llama"]["base"], device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(ValueError, match=r"q_proj.lora_A.weight' has shape \(4, 32\), "
+                                             r"the base model needs \(4, 64\)"):
+            llm.load_lora("bad", bad)
+        llm.load_lora("good", models["llama"]["qv4"])  # the engine keeps serving
+        assert len(llm.generate([[5, 6]], GREEDY, lora="good")[0].token_ids) == MAX_TOKENS
+
+
+def test_default_model_adapter_changes_outputs_and_unloading_restores_them(
+        default_model: Path, tmp_path: Path) -> None:
+    """The real default model with a rank-8 adapter whose B is non-zero: its answers differ;
+    base requests beside it, and after it is unloaded, answer exactly as before."""
+    folder = make_adapter(default_model, tmp_path / "adapter", 8, 16, ["q_proj", "v_proj"],
+                          False, seed=7)
+    prompt = "The capital of France is"
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM(default_model, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        base = llm.generate(prompt, params)[0].token_ids
+        llm.load_lora("tuned", folder)
+        tuned, beside = (o.token_ids for o in llm.generate([prompt, prompt], params,
+                                                             lora=["tuned", None]))
+        llm.unload_lora("tuned")
+        after = llm.generate(prompt, params)[0].token_ids
+    assert tuned != base
+    assert beside == base and after == base

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from minisgl_backend.grammar import apply_token_masks
 from minisgl_backend.host_cpus import usable_cpus
 from minisgl_backend.kvcache.pool import PagedKVPool, resolve_kv_dtype
 from minisgl_backend.layers.fast_ops import HALF_TYPES, flashinfer_module, has_triton
-from minisgl_backend.lora.config import read_adapter_configs
+from minisgl_backend.lora.config import read_adapter_config, read_adapter_configs
 from minisgl_backend.lora.ops import LoraRows
 from minisgl_backend.lora.weights import LoraSet
 from minisgl_backend.models import ModelConfig, create_model
@@ -196,12 +197,27 @@ class Engine:
                 self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size)
 
     def _load_adapters(self, config: EngineConfig) -> LoraSet | None:
-        """The LoRA adapters of `lora_adapters`, read for this rank; None without any."""
-        configs = read_adapter_configs(config.lora_adapters, config.max_lora_rank)
-        if not configs:
+        """The LoRA slots, with the adapters of `lora_adapters` read for this rank (ids 1, 2,
+        ... in order); None where LoRA is off."""
+        if not config.lora_enabled:
             return None
-        return LoraSet(self.model, configs, config.max_loras, config.max_lora_rank,
-                       self.device, self.dtype)
+        lora = LoraSet(self.model, config.max_loras, config.max_lora_rank, self.device,
+                       self.dtype)
+        for i, adapter in enumerate(read_adapter_configs(config.lora_adapters,
+                                                         config.max_lora_rank)):
+            lora.read(i + 1, adapter)
+        return lora
+
+    def _apply_adapters(self, msg: StepMessage) -> None:
+        """Adapters first used at run time (read from their folders), then slot loads."""
+        assert self.lora is not None, "an adapter message for an engine without LoRA"
+        ends = np.cumsum(msg.lora_read_path_lens)
+        for adapter_id, end, length in zip(msg.lora_read_ids, ends, msg.lora_read_path_lens):
+            folder = bytes(msg.lora_read_paths[end - length:end]).decode()
+            self.lora.read(int(adapter_id), read_adapter_config(
+                f"#{adapter_id}", Path(folder), self.config.max_lora_rank))
+        for slot, adapter_id in zip(msg.lora_load_slots, msg.lora_load_ids):
+            self.lora.load(int(slot), int(adapter_id))
 
     def _init_tables(self, num_rows: int) -> None:
         """Page table and token pool: one row per running request plus the dummy row (last)."""
@@ -270,9 +286,7 @@ class Engine:
             self.timeline.begin(waited)
         rows = np.asarray(msg.rows, dtype=np.int64)
         if len(msg.lora_load_slots):
-            assert self.lora is not None, "an adapter load for an engine without adapters"
-            for slot, adapter in zip(msg.lora_load_slots, msg.lora_load_ids):
-                self.lora.load(int(slot), int(adapter))
+            self._apply_adapters(msg)
         if len(msg.admit_rows):
             self._admit(msg)
         if len(msg.long_rope_rows):

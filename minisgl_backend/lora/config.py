@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from minisgl_backend.models.config import ModelConfig
 
 # The projections an adapter may target, by their PEFT (HF) module names.
 ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -96,3 +99,46 @@ def read_adapter_configs(lora_adapters: str, max_rank: int) -> list[AdapterConfi
     """Every adapter of the `lora_adapters` setting, checked (in the setting's order)."""
     return [read_adapter_config(name, folder, max_rank)
             for name, folder in parse_lora_adapters(lora_adapters).items()]
+
+
+def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each adaptable module of the base model."""
+    hd = config.head_dim
+    q, kv, hidden, inter = (config.num_heads * hd, config.num_kv_heads * hd,
+                            config.hidden_size, config.intermediate_size)
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+            "o_proj": (hidden, q), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
+                     r"(\w+)\.lora_(A|B)\.weight$")
+
+
+def check_adapter_tensors(adapter: AdapterConfig, config: ModelConfig) -> None:
+    """Every tensor of the adapter is an A or B of a module the engine adapts, shaped for the
+    base model (`config`); ValueError naming the first that is not."""
+    from safetensors import safe_open
+
+    path = adapter.folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"LoRA adapter {adapter.name!r}: {str(adapter.folder)!r} has no "
+                         "adapter_model.safetensors")
+    shapes = _projection_shapes(config)
+    with safe_open(str(path), framework="pt") as handle:
+        for name in handle.keys():
+            match = _TENSOR.match(name)
+            if match is None or match.group(3) not in adapter.targets:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: tensor {name!r} is not the A "
+                                 f"or B of a module it targets ({', '.join(adapter.targets)})")
+            layer, block, module, kind = match.groups()
+            if int(layer) >= config.num_layers or (block == "mlp" and config.is_moe_layer(
+                    int(layer))):
+                raise ValueError(f"LoRA adapter {adapter.name!r}: tensor {name!r} adapts a "
+                                 f"layer the {config.architecture} model has no such module in")
+            out_features, in_features = shapes[module]
+            want = (adapter.rank, in_features) if kind == "A" else (out_features, adapter.rank)
+            got = tuple(handle.get_slice(name).get_shape())
+            if got != want:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: tensor {name!r} has shape "
+                                 f"{got}, the base model needs {want}")

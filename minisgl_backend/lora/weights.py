@@ -9,8 +9,9 @@ sqrt(r)). Tensor parallelism splits like the base weights: B by output rows in c
 layers, A by input columns in row-parallel ones (their partial deltas are summed with the
 layer's output by its all-reduce).
 
-Every adapter named at startup is read once, this rank's slices only, and kept on the host;
-`load(slot, adapter)` copies one into a slot (the scheduler picks slots, `scheduler/lora.py`).
+An adapter is read once, this rank's slices only, and kept on the host (those named at startup
+then, the others when a step first loads them); `load(slot, adapter)` copies one into a slot
+(the scheduler picks slots and says when: `scheduler/lora.py`).
 """
 
 from __future__ import annotations
@@ -37,31 +38,38 @@ PEFT_PREFIX = "base_model.model."
 
 
 class LoraSet:
-    """The adapters of one engine process: host copies of each adapter (ids from 1, in the
-    order of `adapters`), device slots on the model's projections."""
+    """The adapters of one engine process: host copies of the adapters read so far (by id,
+    from 1), device slots on every projection of the model."""
 
-    def __init__(self, model: nn.Module, adapters: list[AdapterConfig], max_loras: int,
-                 max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.config: ModelConfig = model.config
         self.max_rank = max_rank
-        targeted = set().union(*(a.targets for a in adapters))
+        self.dtype = dtype
         self.stacks: dict[tuple[int, str], LoraStack] = {}
         for i, layer in enumerate(model.model.layers):
             for name, (_, parts) in PROJECTIONS.items():
                 linear = layer.projection(name)
-                if linear is None or not targeted & set(parts):
-                    continue
+                if linear is None:
+                    continue  # an MoE layer's experts: not adaptable
                 n, k = linear.weight.shape
                 stack = LoraStack(
                     torch.zeros(max_loras, len(parts) * max_rank, k, device=device, dtype=dtype),
                     torch.zeros(max_loras, n, len(parts) * max_rank, device=device, dtype=dtype))
                 linear.lora = stack
                 self.stacks[(i, name)] = stack
-        self.host = [self._read(adapter, dtype) for adapter in adapters]
+        self.host: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def read(self, adapter_id: int, adapter: AdapterConfig) -> None:
+        """Keep this rank's slices of `adapter` on the host as `adapter_id`."""
+        self.host[adapter_id] = self._read(adapter, self.dtype)
+
+    def drop(self, adapter_id: int) -> None:
+        self.host.pop(adapter_id, None)
 
     def load(self, slot: int, adapter_id: int) -> None:
-        """Copy adapter `adapter_id` (1-based) into `slot` of every stack."""
-        weights = self.host[adapter_id - 1]
+        """Copy adapter `adapter_id` (read before) into `slot` of every stack."""
+        weights = self.host[adapter_id]
         for key, stack in self.stacks.items():
             a, b = weights.get(key, (None, None))
             if a is None:

@@ -1,33 +1,65 @@
-"""Which LoRA adapter each of the engine's `max_loras` device slots holds.
+"""The LoRA adapters the scheduler knows, and which one each of the engine's `max_loras` device
+slots holds.
 
 Requests name adapters; an admitted request holds its adapter's slot until it ends. A request
-whose adapter is not resident takes the least recently used slot that no running request holds
-(the engine copies the adapter in before the step that admits it: `StepMessage.lora_load_*`);
-with every slot held by other adapters it waits, first come first served.
+whose adapter is not resident takes the least recently used slot that no running request holds:
+the step that admits it tells the engine to copy the adapter in first (and, for an adapter
+loaded at run time, to read it from its folder the first time). With every slot held by other
+adapters it waits, first come first served. Adapters are registered by name at startup
+(`lora_adapters`) or at run time (`LLM.load_lora`); an id is never reused, so a slot never holds
+an unloaded adapter under another's id.
 """
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
+from minisgl_backend.core import Req
+from minisgl_backend.engine.protocol import StepMessage
 from minisgl_backend.lora.config import parse_lora_adapters
 
 
 class AdapterSlots:
     def __init__(self, lora_adapters: str, max_loras: int) -> None:
-        # Adapter ids: 1, 2, ... in the setting's order (0: the base model).
-        self.ids = {name: i + 1 for i, name in enumerate(parse_lora_adapters(lora_adapters))}
+        self._lock = threading.Lock()  # names are registered from callers' threads
+        self.ids: dict[str, int] = {}  # name -> id (1, 2, ...; 0: the base model)
+        self.folders: dict[int, Path] = {}
+        self._next_id = 1
+        for name, folder in parse_lora_adapters(lora_adapters).items():
+            self._add(name, folder)
+        self.engine_has = set(self.folders)  # the engine reads startup adapters itself
         self.holds = [0] * max_loras  # adapter id per slot (0: empty)
         self.users = [0] * max_loras  # running requests per slot
         self.last_use = [0] * max_loras
         self._clock = 0
 
+    def _add(self, name: str, folder: Path) -> int:
+        adapter_id, self._next_id = self._next_id, self._next_id + 1
+        self.ids[name], self.folders[adapter_id] = adapter_id, Path(folder)
+        return adapter_id
+
+    def register(self, name: str, folder: Path) -> int:
+        with self._lock:
+            if name in self.ids:
+                raise ValueError(f"lora: adapter {name!r} is already loaded")
+            return self._add(name, folder)
+
+    def unregister(self, name: str) -> None:
+        """New requests can no longer name it; those already queued still run under it."""
+        with self._lock:
+            if self.ids.pop(name, None) is None:
+                raise ValueError(f"lora: unknown adapter {name!r}")
+
     def id_of(self, name: str | None) -> int:
         """An adapter's id (None: the base model, 0); ValueError naming an unknown one."""
         if name is None:
             return 0
-        if name not in self.ids:
-            known = ", ".join(self.ids) or "none are served"
-            raise ValueError(f"lora: unknown adapter {name!r} (served: {known})")
-        return self.ids[name]
+        with self._lock:
+            if name in self.ids:
+                return self.ids[name]
+            known = ", ".join(self.ids) or "none are loaded"
+        raise ValueError(f"lora: unknown adapter {name!r} (loaded: {known})")
 
     def _slot_for(self, adapter_id: int) -> int | None:
         if adapter_id in self.holds:
@@ -51,3 +83,20 @@ class AdapterSlots:
 
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
+
+    def admit(self, msg: StepMessage, req: Req) -> None:
+        """What the engine needs of an admitted request's adapter, if it has one."""
+        if req.lora_slot < 0:
+            return
+        if req.lora_load:  # copied into its slot before the step runs
+            if req.lora_id not in self.engine_has:
+                path = str(self.folders[req.lora_id]).encode()
+                msg.lora_read_ids.append(req.lora_id)
+                msg.lora_read_paths.extend(path)
+                msg.lora_read_path_lens.append(len(path))
+                self.engine_has.add(req.lora_id)
+            msg.lora_load_slots.append(req.lora_slot)
+            msg.lora_load_ids.append(req.lora_id)
+            req.lora_load = False
+        msg.lora_rows.append(req.table_idx)
+        msg.lora_slots.append(req.lora_slot)

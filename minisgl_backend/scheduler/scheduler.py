@@ -591,6 +591,7 @@ class Scheduler:
         stop_ids = (sorted(self.trackers[req.uid].stop_ids)
                     if req.sampling_params.min_tokens > 0 else [])
         add_admission(msg, req, stop_ids, self.vocab_size)
+        self.loras.admit(msg, req)
 
     def _guided_tokens(self, sent: _SentStep, reply: StepReply
                        ) -> list[tuple[OutputTracker, int]]:
@@ -680,13 +681,6 @@ def add_admission(msg: StepMessage, req: Req, stop_ids: list[int], vocab_size: i
     if msg.admit is None:
         msg.admit = RowSampling.of((), vocab_size)
     msg.admit.append(p, seed_to_int64(req.seed), vocab_size)
-    if req.lora_slot >= 0:
-        if req.lora_load:  # copied into its slot before the step runs
-            msg.lora_load_slots.append(req.lora_slot)
-            msg.lora_load_ids.append(req.lora_id)
-            req.lora_load = False
-        msg.lora_rows.append(row)
-        msg.lora_slots.append(req.lora_slot)
     if req.long_rope:  # a prompt past LongRoPE's pretraining length
         msg.long_rope_rows.append(row)
         msg.long_rope_lens.append(req.prompt_len)
