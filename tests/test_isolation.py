@@ -21,6 +21,7 @@ import pytest
 
 from minisgl_backend import LLM, SamplingParams
 from tests.fp8_checkpoints import write_fp8_checkpoint
+from tests.test_lora import make_adapter
 from tests.triton_fixtures import (
     REPO_ROOT,
     TritonServer,
@@ -45,7 +46,8 @@ def _set_parameter(config: str, key: str, value: str) -> str:
     return config
 
 
-def two_instance_repository(root: Path, model_dir: Path, other_model_dir: Path) -> Path:
+def two_instance_repository(root: Path, model_dir: Path, other_model_dir: Path,
+                            lora_adapters: str = "") -> Path:
     repo = root / "model_repository"
     shutil.copytree(REPO_ROOT / "model_repository", repo,
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -56,7 +58,8 @@ def two_instance_repository(root: Path, model_dir: Path, other_model_dir: Path) 
     path = repo / "minisgl_b" / "config.pbtxt"
     config = path.read_text().replace('name: "minisgl"', 'name: "minisgl_b"')
     for key, value in (("model", str(other_model_dir)), ("tp_size", "2"), ("page_size", "16"),
-                       ("cache", "naive"), ("kv_cache_dtype", FP8_KV)):
+                       ("cache", "naive"), ("kv_cache_dtype", FP8_KV),
+                       ("lora_adapters", lora_adapters), ("max_lora_rank", "8")):
         config = _set_parameter(config, key, value)
     path.write_text(config)
     return repo
@@ -74,9 +77,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path,  # noq
     # The second instance serves an FP8 checkpoint, with an FP8 KV cache.
     fp8_model = write_fp8_checkpoint(tiny_models["llama"], root / "fp8", "fp8_block",
                                      [[5, 6, 7, 8]])
-    repository = two_instance_repository(root, default_model, fp8_model)
+    adapter = make_adapter(tiny_models["llama"], root / "adapter", 4, 8, ["q_proj", "v_proj"],
+                           False, seed=0)
+    lora_adapters = f"tuned={adapter}"
+    repository = two_instance_repository(root, default_model, fp8_model, lora_adapters)
     server = start_server(root / "server.log", repository=repository)
     server.fp8_model = fp8_model  # type: ignore[attr-defined]
+    server.lora_adapters = lora_adapters  # type: ignore[attr-defined]
     server.dirs_before = dirs_before  # type: ignore[attr-defined]
     yield server
     leftovers = server.stop()
@@ -109,16 +116,26 @@ def test_two_instances_serve_side_by_side(server: TritonServer) -> None:
     assert not pids["minisgl"] & pids["minisgl_b"]
 
 
-def test_fp8_checkpoint_served_as_offline(server: TritonServer) -> None:
+def test_fp8_checkpoint_and_adapter_served_as_offline(server: TritonServer) -> None:
     """The FP8 instance answers what the offline API gives for the same checkpoint and
-    settings, and its metrics name the scheme."""
+    settings, by its base model and through a LoRA adapter (`lora_name`); an unknown adapter
+    is refused by name; its metrics name the scheme."""
     result = grpc_generate(server, ensemble_inputs(PROMPT, 12, stream=True), model="minisgl_b")
     assert not result.errors, result.errors
+    tuned = grpc_generate(server, ensemble_inputs(PROMPT, 12, stream=True, lora_name="tuned"),
+                          model="minisgl_b")
+    assert not tuned.errors, tuned.errors
+    unknown = grpc_generate(server, ensemble_inputs(PROMPT, 12, lora_name="nope"),
+                            model="minisgl_b")
+    assert unknown.errors and "lora_name: lora: unknown adapter 'nope'" in str(unknown.errors[0])
     with LLM(server.fp8_model, device="cpu", tp_size=2, page_size=16, cache="naive",
-             kv_cache_dtype=FP8_KV) as llm:
-        offline = llm.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+             kv_cache_dtype=FP8_KV, lora_adapters=server.lora_adapters,
+             max_lora_rank=8) as llm:
+        offline, offline_tuned = llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=12),
+                                              lora=[None, "tuned"])
         loaded = llm.loaded
     assert result.ids == offline.token_ids
+    assert tuned.ids == offline_tuned.token_ids != offline.token_ids
     assert loaded.quantization == "fp8/fp8/block16x32" and loaded.kv_cache_dtype == FP8_KV
     counts = metrics(server, "minisgl_b")
     weights = {k: v for k, v in counts.items() if k.startswith("minisgl_model_weight_bytes")}

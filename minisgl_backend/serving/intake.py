@@ -31,6 +31,10 @@ def submit(request: Any, llm: LLM, limits: RequestPolicy,
             checked = scheduler.check_request(parsed.prompt_ids, parsed.params)
         except ValueError as exc:
             raise RequestError(parsed.name_inputs(str(exc))) from None
+        try:
+            scheduler.loras.id_of(parsed.lora)
+        except ValueError as exc:
+            raise RequestError(f"lora_name: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - whatever fails, the request gets its final
         message = str(exc)
         if not isinstance(exc, ValueError):  # not a bad request (a RequestError): a bug
@@ -41,5 +45,5 @@ def submit(request: Any, llm: LLM, limits: RequestPolicy,
     state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
     state.uid = scheduler.submit(parsed.prompt_ids, parsed.params,
                                  lambda out: on_output(state, out), checked,
-                                 stream=parsed.stream)
+                                 stream=parsed.stream, lora=parsed.lora)
     return state

@@ -139,6 +139,8 @@ INPUTS: tuple[TritonInput, ...] = (
     TritonInput("return_num_output_tokens", "TYPE_BOOL", "add `num_output_tokens`"),
     TritonInput("return_finish_reason", "TYPE_BOOL", "add `finish_reason`"),
     TritonInput("return_cached_tokens", "TYPE_BOOL", "add `cached_tokens`"),
+    TritonInput("lora_name", "TYPE_STRING", "the LoRA adapter to generate with: a name of the "
+                "`lora_adapters` parameter (vllm_backend's input; unset: the base model)"),
     # TensorRT-LLM inputs of features this engine does not have.
     *(TritonInput(name, data_type, "refused: " + why, dims=dims, refused=why)
       for name, data_type, dims, why in (

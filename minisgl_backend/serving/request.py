@@ -71,6 +71,7 @@ class EngineRequest:
     return_cached_tokens: bool
     return_log_probs: bool = False
     return_perf_metrics: bool = False
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
     # SamplingParams field -> the input that gave it, for errors found after parsing
     given_as: dict[str, str] = field(default_factory=dict)
 
@@ -284,6 +285,7 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
                                   limits.exclude_input_in_output)),
         return_log_probs=return_log_probs,
         given_as=given_as,
+        lora=next(iter(text_list(get, "lora_name", 1, 256)), None),
         **flags,
     )
 
