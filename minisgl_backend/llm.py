@@ -57,8 +57,9 @@ class LLM:
         model_config = ModelConfig.from_folder(model_dir)  # fails early on unknown architectures
         for adapter in read_adapter_configs(general.lora_adapters, general.max_lora_rank):
             check_adapter_tensors(adapter, model_config)  # and on adapters that do not fit
-        self._model_config = model_config
-        self._settings = general
+        self.model_config = model_config
+        self.lora_enabled = general.lora_enabled
+        self._max_lora_rank = general.max_lora_rank
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)
         drafts = spec.num_speculative_tokens if spec.enabled or general.jump_forward else 0
@@ -110,11 +111,11 @@ class LLM:
     def load_lora(self, name: str, folder: str | Path) -> None:
         """Serve the PEFT LoRA adapter in `folder` as `name` from now on (LoRA must be on:
         `enable_lora` or `lora_adapters`). ValueError naming what does not fit."""
-        if not self._settings.lora_enabled:
+        if not self.lora_enabled:
             raise ValueError("lora: adapters cannot be loaded: LoRA is off (set enable_lora, or "
                              "name adapters in lora_adapters)")
-        adapter = read_adapter_config(name, Path(folder), self._settings.max_lora_rank)
-        check_adapter_tensors(adapter, self._model_config)
+        adapter = read_adapter_config(name, Path(folder), self._max_lora_rank)
+        check_adapter_tensors(adapter, self.model_config)
         self.scheduler.loras.register(name, Path(folder))
 
     def unload_lora(self, name: str) -> None:

@@ -9,6 +9,7 @@ process of the server may listen on anything but loopback.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from minisgl_backend import LLM, SamplingParams
@@ -32,6 +34,7 @@ from tests.triton_fixtures import (
     grpc_generate,
     metrics,
     start_server,
+    tensor,
 )
 
 PROMPT = "The capital of France is"
@@ -200,3 +203,63 @@ def test_each_instance_has_its_own_private_directory(server: TritonServer) -> No
     for path in new:
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode & 0o077 == 0, f"{path} is open to others: {oct(mode)}"
+
+
+# TensorRT-LLM's LoRA module ids (LoraManager.LORA_MODULE_IDS) of a Llama's projections.
+TRTLLM_MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5,
+                     "down_proj": 6, "up_proj": 7}
+
+
+def trtllm_lora_tensors(adapter: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A PEFT adapter as TensorRT-LLM's `lora_weights` / `lora_config` request tensors, as its
+    `hf_lora_convert.py` lays them out: per (module, layer) one row holding A [r, in] then
+    B [out, r] times alpha / r, flattened, zero-padded to the longest row; a config row
+    (module id, layer, r) each."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    rank, scale = config["r"], config["lora_alpha"] / config["r"]
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    rows, configs = [], []
+    for name in sorted(tensors):
+        if ".lora_A." not in name:
+            continue
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        module = name.split(".lora_A.")[0].rsplit(".", 1)[1]
+        a, b = tensors[name], tensors[name.replace("lora_A", "lora_B")] * scale
+        rows.append(np.concatenate([a.numpy().ravel(), b.numpy().ravel()]))
+        configs.append([TRTLLM_MODULE_IDS[module], layer, rank])
+    width = max(len(row) for row in rows)
+    weights = np.stack([np.pad(row, (0, width - len(row))) for row in rows]).astype(np.float16)
+    return weights[None], np.asarray(configs, dtype=np.int32)[None]
+
+
+def test_tensorrt_llm_lora_task_equals_the_adapter_by_name(server: TritonServer) -> None:
+    """The first request of a task brings the adapter in TensorRT-LLM's layout, later ones
+    its id alone: both answer as the same adapter by name; an unknown task without weights
+    and weights that do not fit are refused by name; the model keeps serving."""
+    adapter = Path(server.lora_adapters.split("=", 1)[1])
+    weights, config = trtllm_lora_tensors(adapter)
+    by_name = grpc_generate(server, ensemble_inputs(PROMPT, 12, lora_name="tuned"),
+                            model="minisgl_b")
+    task = [tensor("lora_task_id", 7, "UINT64")]
+    first = grpc_generate(server, ensemble_inputs(
+        PROMPT, 12, lora_weights=tensor("lora_weights", weights, "FP16"),
+        lora_config=tensor("lora_config", config, "INT32"), lora_task_id=task[0]),
+        model="minisgl_b")
+    later = grpc_generate(server, ensemble_inputs(PROMPT, 12, lora_task_id=task[0]),
+                          model="minisgl_b")
+    assert not by_name.errors and not first.errors and not later.errors
+    assert first.ids == later.ids == by_name.ids
+    unknown = grpc_generate(server, ensemble_inputs(
+        PROMPT, 4, lora_task_id=tensor("lora_task_id", 8, "UINT64")), model="minisgl_b")
+    assert unknown.errors and "lora_task_id: unknown task 8" in str(unknown.errors[0])
+    bad_config = config.copy()
+    bad_config[0, 0, 0] = 0  # attn_qkv: a fused module the engine does not take
+    bad = grpc_generate(server, ensemble_inputs(
+        PROMPT, 4, lora_weights=tensor("lora_weights", weights, "FP16"),
+        lora_config=tensor("lora_config", bad_config, "INT32"),
+        lora_task_id=tensor("lora_task_id", 9, "UINT64")), model="minisgl_b")
+    assert bad.errors and "lora_config: module id 0" in str(bad.errors[0])
+    again = grpc_generate(server, ensemble_inputs(PROMPT, 12), model="minisgl_b")
+    assert not again.errors and len(again.ids) == 12

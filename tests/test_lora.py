@@ -32,7 +32,8 @@ ADAPTERS = {
 
 def make_adapter(base: Path, folder: Path, rank: int, alpha: int, targets: list[str],
                  rslora: bool, seed: int) -> Path:
-    """A PEFT LoRA adapter of `base` with random (non-zero) A and B, saved by PEFT itself."""
+    """A PEFT LoRA adapter of `base` with random (non-zero) A and B, saved by PEFT itself. The
+    values are float16 numbers (TensorRT-LLM's `lora_weights` carry them exactly)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -45,6 +46,8 @@ def make_adapter(base: Path, folder: Path, rank: int, alpha: int, targets: list[
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.2)
+            if "lora_" in name:
+                param.copy_(param.half().float())
     peft_model.save_pretrained(folder)
     return folder
 

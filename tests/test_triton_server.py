@@ -187,7 +187,8 @@ def test_tensorrt_llm_sampling_inputs_equal_the_offline_api(server: TritonServer
 ])
 def test_inputs_of_missing_features_are_refused_by_name(server: TritonServer, name: str,
                                                         value) -> None:  # noqa: ANN001
-    """Declared (so that Triton passes them on), then refused by the model with their name."""
+    """Declared (so that Triton passes them on), then refused by the model with their name:
+    features it does not have, and LoRA, which the shipped model leaves off."""
     got = grpc_generate(server, ensemble_inputs(PROMPT, 4, stream=True) + [value])
     assert got.errors and name in str(got.errors[0]), got
     good_request_succeeds(server)

@@ -101,7 +101,7 @@ def read_adapter_configs(lora_adapters: str, max_rank: int) -> list[AdapterConfi
             for name, folder in parse_lora_adapters(lora_adapters).items()]
 
 
-def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each adaptable module of the base model."""
     hd = config.head_dim
     q, kv, hidden, inter = (config.num_heads * hd, config.num_kv_heads * hd,
@@ -124,7 +124,7 @@ def check_adapter_tensors(adapter: AdapterConfig, config: ModelConfig) -> None:
     if not path.is_file():
         raise ValueError(f"LoRA adapter {adapter.name!r}: {str(adapter.folder)!r} has no "
                          "adapter_model.safetensors")
-    shapes = _projection_shapes(config)
+    shapes = projection_shapes(config)
     with safe_open(str(path), framework="pt") as handle:
         for name in handle.keys():
             match = _TENSOR.match(name)

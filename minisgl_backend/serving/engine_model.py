@@ -4,9 +4,11 @@ once; one thread sends every response (`responses`), another watches the engine 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from minisgl_backend.llm import LLM
+from minisgl_backend.lora.trtllm import TaskAdapters
 from minisgl_backend.serving.inflight import InFlight, ServerWatch
 from minisgl_backend.serving.intake import submit
 from minisgl_backend.serving.lifecycle import dump_stacks_on_sigusr1, exit_with_server
@@ -32,6 +34,10 @@ class TritonPythonModel:
         self.llm = LLM(model_dir, **engine_settings(parameters))
         self.limits = request_policy(parameters)
         name, scheduler = config["name"], self.llm.scheduler
+        # TensorRT-LLM's LoRA tasks: their adapters are written where the engine's private
+        # files are (removed with them).
+        self.tasks = TaskAdapters(Path(scheduler.engine.private_dir) / "lora-tasks",
+                                  self.llm.model_config, self.llm.load_lora)
         metrics = EngineMetrics(name)
         metrics.describe_model(self.llm.loaded)
         self.inflight = InFlight(scheduler.abort)
@@ -43,7 +49,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            state = submit(request, self.llm, self.limits, self.responder.put)
+            state = submit(request, self.llm, self.limits, self.responder.put, self.tasks)
             if state is not None:
                 self.inflight.add(state)
         return None

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from minisgl_backend.llm import LLM
+from minisgl_backend.lora.trtllm import TaskAdapters
 from minisgl_backend.scheduler.output import RequestOutput
 from minisgl_backend.serving.inflight import ActiveRequest
 from minisgl_backend.serving.request import RequestError, RequestPolicy, parse_engine_request
@@ -18,9 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 def submit(request: Any, llm: LLM, limits: RequestPolicy,
-           on_output: Callable[[ActiveRequest, RequestOutput], None]) -> ActiveRequest | None:
+           on_output: Callable[[ActiveRequest, RequestOutput], None],
+           tasks: TaskAdapters | None = None) -> ActiveRequest | None:
     """Submit a Triton request to `llm`'s scheduler, which hands each of its outputs to
-    `on_output`; None when it was refused (and answered)."""
+    `on_output`; None when it was refused (and answered). `tasks`: TensorRT-LLM's LoRA tasks."""
     sender = request.get_response_sender()
     arrived, arrived_ns = time.monotonic(), time.time_ns()
     scheduler = llm.scheduler
@@ -31,10 +33,20 @@ def submit(request: Any, llm: LLM, limits: RequestPolicy,
             checked = scheduler.check_request(parsed.prompt_ids, parsed.params)
         except ValueError as exc:
             raise RequestError(parsed.name_inputs(str(exc))) from None
+        lora = parsed.lora
         try:
-            scheduler.loras.id_of(parsed.lora)
+            if parsed.lora_task_id is not None:
+                if tasks is None or not llm.lora_enabled:
+                    raise ValueError("LoRA is off on this model (set its enable_lora or "
+                                     "lora_adapters parameter)")
+                lora = tasks.resolve(parsed.lora_task_id, parsed.lora_weights,
+                                     parsed.lora_config)
+            scheduler.loras.id_of(lora)
         except ValueError as exc:
-            raise RequestError(f"lora_name: {exc}") from None
+            field = "lora_task_id" if parsed.lora_task_id is not None else "lora_name"
+            message = str(exc)
+            raise RequestError(message if message.startswith(field) else
+                               f"{field}: {message}") from None
     except Exception as exc:  # noqa: BLE001 - whatever fails, the request gets its final
         message = str(exc)
         if not isinstance(exc, ValueError):  # not a bad request (a RequestError): a bug
@@ -45,5 +57,5 @@ def submit(request: Any, llm: LLM, limits: RequestPolicy,
     state = ActiveRequest(request, sender, parsed, arrived, arrived_ns)
     state.uid = scheduler.submit(parsed.prompt_ids, parsed.params,
                                  lambda out: on_output(state, out), checked,
-                                 stream=parsed.stream, lora=parsed.lora)
+                                 stream=parsed.stream, lora=lora)
     return state

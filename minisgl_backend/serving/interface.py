@@ -141,13 +141,17 @@ INPUTS: tuple[TritonInput, ...] = (
     TritonInput("return_cached_tokens", "TYPE_BOOL", "add `cached_tokens`"),
     TritonInput("lora_name", "TYPE_STRING", "the LoRA adapter to generate with: a name of the "
                 "`lora_adapters` parameter (vllm_backend's input; unset: the base model)"),
+    TritonInput("lora_task_id", "TYPE_UINT64", "TensorRT-LLM's LoRA task: its first request "
+                "brings `lora_weights` and `lora_config`, later ones the id alone "
+                "(`enable_lora` or `lora_adapters` must be set)"),
+    TritonInput("lora_weights", "TYPE_FP16", "the task's adapter in TensorRT-LLM's layout: per "
+                "module and layer, A then B (scaled), `[rows, size]`", dims=(-1, -1)),
+    TritonInput("lora_config", "TYPE_INT32", "per row of `lora_weights`: module id, layer, "
+                "adapter size", dims=(-1, 3)),
     # TensorRT-LLM inputs of features this engine does not have.
     *(TritonInput(name, data_type, "refused: " + why, dims=dims, refused=why)
       for name, data_type, dims, why in (
           ("decoder_text_input", "TYPE_STRING", (1,), "encoder-decoder models are not supported"),
-          ("lora_task_id", "TYPE_UINT64", (1,), "LoRA adapters are not supported"),
-          ("lora_weights", "TYPE_FP16", (-1, -1), "LoRA adapters are not supported"),
-          ("lora_config", "TYPE_INT32", (-1, 3), "LoRA adapters are not supported"),
           ("prompt_embedding_table", "TYPE_FP16", (-1, -1), "prompt tables are not supported"),
           ("prompt_table_extra_id", "TYPE_UINT64", (1,), "prompt tables are not supported"),
           ("prompt_vocab_size", "TYPE_INT32", (1,), "prompt tables are not supported"),

@@ -72,6 +72,10 @@ class EngineRequest:
     return_log_probs: bool = False
     return_perf_metrics: bool = False
     lora: str | None = None  # the LoRA adapter's name (None: the base model)
+    # TensorRT-LLM's LoRA task, and the adapter its first request brings.
+    lora_task_id: int | None = None
+    lora_weights: np.ndarray | None = None
+    lora_config: np.ndarray | None = None
     # SamplingParams field -> the input that gave it, for errors found after parsing
     given_as: dict[str, str] = field(default_factory=dict)
 
@@ -285,9 +289,25 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
                                   limits.exclude_input_in_output)),
         return_log_probs=return_log_probs,
         given_as=given_as,
-        lora=next(iter(text_list(get, "lora_name", 1, 256)), None),
+        **_lora_inputs(get),
         **flags,
     )
+
+
+def _lora_inputs(get: GetInput) -> dict[str, Any]:
+    """The adapter a request names: `lora_name`, or TensorRT-LLM's `lora_task_id` (with
+    `lora_weights` and `lora_config` on the task's first request)."""
+    name = next(iter(text_list(get, "lora_name", 1, 256)), None)
+    task_id = scalar(get, "lora_task_id", "int")
+    weights, config = get("lora_weights"), get("lora_config")
+    if name is not None and task_id is not None:
+        raise RequestError("lora_name and lora_task_id: give one adapter, not both")
+    if task_id is None and (weights is not None or config is not None):
+        raise RequestError("lora_weights and lora_config need a lora_task_id")
+    if (weights is None) != (config is None):
+        raise RequestError("lora_weights and lora_config come together")
+    return {"lora": name, "lora_task_id": task_id, "lora_weights": weights,
+            "lora_config": config}
 
 
 def name_inputs(message: str, given_as: dict[str, str]) -> str:
