@@ -315,15 +315,15 @@ def test_a_failing_chat_template_names_text_input() -> None:
         parse_engine_request(get, 10, Broken())
 
 
-def test_refused_inputs_are_declared_with_tensorrt_llm_types() -> None:
+def test_tensorrt_llm_inputs_are_declared_with_its_types() -> None:
     from minisgl_backend.serving.interface import inputs_of, refused_inputs
 
     declared = {i.name: (i.data_type, i.dims) for i in inputs_of("ensemble")}
+    assert declared["lora_task_id"] == ("TYPE_UINT64", (1,))
     assert declared["lora_weights"] == ("TYPE_FP16", (-1, -1))
     assert declared["lora_config"] == ("TYPE_INT32", (-1, 3))
     assert {i.name for i in refused_inputs()} >= {
-        "lora_task_id", "lora_weights", "lora_config", "prompt_embedding_table",
-        "prompt_vocab_size", "decoder_text_input"}
+        "prompt_embedding_table", "prompt_vocab_size", "decoder_text_input"}
 
 
 def test_unknown_request_parameters_are_refused_by_name() -> None:
