@@ -59,6 +59,7 @@ class LLM:
             check_adapter_tensors(adapter, model_config)  # and on adapters that do not fit
         self.model_config = model_config
         self.lora_enabled = general.lora_enabled
+        self.max_loras = general.max_loras
         self._max_lora_rank = general.max_lora_rank
         self.vocab_size = model_config.vocab_size
         self.tokenizer = _load_tokenizer(model_dir)

@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +264,40 @@ def test_tensorrt_llm_lora_task_equals_the_adapter_by_name(server: TritonServer)
     assert bad.errors and "lora_config: module id 0" in str(bad.errors[0])
     again = grpc_generate(server, ensemble_inputs(PROMPT, 12), model="minisgl_b")
     assert not again.errors and len(again.ids) == 12
+
+
+def test_lora_metrics_follow_the_requests(server: TritonServer) -> None:
+    """While a request runs under an adapter its running gauge is 1 and vLLM's
+    lora_requests_info (Triton's metric API takes the name) names it; afterwards 0, the adapter
+    still resident."""
+    import urllib.request
+
+    def scrape() -> str:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+            return resp.read().decode()
+
+    running = 'minisgl_lora_requests_running{adapter="tuned",model="minisgl_b"}'
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (grpc_generate(server, ensemble_inputs(
+        PROMPT, 300, lora_name="tuned", ignore_eos=True), model="minisgl_b"), done.set()))
+    worker.start()
+
+    def current_info(text: str) -> str:
+        """vLLM's info sample with the newest time (earlier label sets stay, as in vLLM)."""
+        lines = [line for line in text.splitlines()
+                 if line.startswith("vllm:lora_requests_info")]
+        return max(lines, key=lambda line: float(line.rsplit(" ", 1)[1])) if lines else ""
+
+    seen = ""
+    while not done.is_set() and not (f"{running} 1" in seen and 'running_lora_adapters="tuned"'
+                                     in current_info(seen)):
+        seen = scrape()
+    worker.join(timeout=300)
+    assert f"{running} 1" in seen, seen[-3000:]
+    assert 'running_lora_adapters="tuned"' in current_info(seen)
+    deadline = time.monotonic() + 5  # the gauges follow the scheduler's snapshots
+    while f"{running} 0" not in (after := scrape()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"{running} 0" in after
+    resident = re.search(r'minisgl_lora_adapters_resident\{model="minisgl_b"\} (\S+)', after)
+    assert resident and float(resident.group(1)) >= 1  # tuned (and any task adapter)

@@ -13,7 +13,9 @@ an unloaded adapter under another's id.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
+from typing import Any, Iterable
 
 from minisgl_backend.core import Req
 from minisgl_backend.engine.protocol import StepMessage
@@ -24,6 +26,7 @@ class AdapterSlots:
     def __init__(self, lora_adapters: str, max_loras: int) -> None:
         self._lock = threading.Lock()  # names are registered from callers' threads
         self.ids: dict[str, int] = {}  # name -> id (1, 2, ...; 0: the base model)
+        self.names: dict[int, str] = {}  # id -> name, unloaded adapters' too
         self.folders: dict[int, Path] = {}
         self._next_id = 1
         for name, folder in parse_lora_adapters(lora_adapters).items():
@@ -37,6 +40,7 @@ class AdapterSlots:
     def _add(self, name: str, folder: Path) -> int:
         adapter_id, self._next_id = self._next_id, self._next_id + 1
         self.ids[name], self.folders[adapter_id] = adapter_id, Path(folder)
+        self.names[adapter_id] = name
         return adapter_id
 
     def register(self, name: str, folder: Path) -> int:
@@ -83,6 +87,15 @@ class AdapterSlots:
 
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
+
+    def stats(self, running: Iterable[Req], waiting: Iterable[Req]) -> dict[str, Any]:
+        """`SchedulerStats`' LoRA fields: requests per adapter name, and the resident ones."""
+        def per_adapter(reqs: Iterable[Req]) -> tuple[tuple[str, int], ...]:
+            counts = Counter(self.names[r.lora_id] for r in reqs if r.lora_id)
+            return tuple(sorted(counts.items()))
+
+        return {"lora_running": per_adapter(running), "lora_waiting": per_adapter(waiting),
+                "lora_resident": tuple(sorted(self.names[a] for a in self.holds if a))}
 
     def admit(self, msg: StepMessage, req: Req) -> None:
         """What the engine needs of an admitted request's adapter, if it has one."""

@@ -67,6 +67,11 @@ class SchedulerStats:
     verified_rows: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # LoRA (where it is on): requests per adapter name, running and waiting, and the adapters
+    # on the device.
+    lora_running: tuple[tuple[str, int], ...] = ()
+    lora_waiting: tuple[tuple[str, int], ...] = ()
+    lora_resident: tuple[str, ...] = ()
 
 
 @dataclass
@@ -504,6 +509,8 @@ class Scheduler:
             waiting=waiting, steps=self.num_steps,
             verified_rows=self.speculator.verified_rows, draft_tokens=self.speculator.drafted,
             accepted_draft_tokens=self.speculator.accepted,
+            **(self.loras.stats(self._running(), self.prefill.waiting)
+               if self.config.engine.lora_enabled else {}),
         )
 
     def _running(self) -> list[Req]:

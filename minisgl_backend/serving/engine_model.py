@@ -38,7 +38,7 @@ class TritonPythonModel:
         # files are (removed with them).
         self.tasks = TaskAdapters(Path(scheduler.engine.private_dir) / "lora-tasks",
                                   self.llm.model_config, self.llm.load_lora)
-        metrics = EngineMetrics(name)
+        metrics = EngineMetrics(name, self.llm.max_loras if self.llm.lora_enabled else None)
         metrics.describe_model(self.llm.loaded)
         self.inflight = InFlight(scheduler.abort)
         self.responder = Responder(self.llm.tokenizer, self.inflight, metrics)

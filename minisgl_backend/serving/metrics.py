@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -11,6 +12,8 @@ from minisgl_backend.llm import LoadedModel
 from minisgl_backend.scheduler import RequestOutput
 from minisgl_backend.scheduler.scheduler import SchedulerStats
 
+logger = logging.getLogger(__name__)
+
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -18,8 +21,65 @@ def _family(name: str, description: str, kind: Any) -> Any:
     return pb_utils.MetricFamily(name=name, description=description, kind=kind)
 
 
+class LoraMetrics:
+    """Requests per adapter, running and waiting (label `adapter`), the adapters on the device,
+    and vLLM's `vllm:lora_requests_info`: one sample whose labels list the running and waiting
+    adapters (its value: when they last changed), which llm-d's router reads for LoRA
+    affinity. Set only when they change."""
+
+    def __init__(self, model_name: str, max_loras: int) -> None:
+        gauge = pb_utils.MetricFamily.GAUGE
+        self._labels = {"model": model_name}
+        self._max_loras = max_loras
+        self._running = _family("minisgl_lora_requests_running",
+                                "Running requests per LoRA adapter", gauge)
+        self._waiting = _family("minisgl_lora_requests_waiting",
+                                "Waiting requests per LoRA adapter", gauge)
+        resident = _family("minisgl_lora_adapters_resident",
+                           "LoRA adapters in device slots", gauge)
+        self._resident_family, self.resident = resident, resident.Metric(labels=self._labels)
+        self._per_adapter: dict[tuple[str, str], Any] = {}
+        try:  # Triton checks metric names; vLLM's has a colon
+            self._info_family = _family("vllm:lora_requests_info", "Running and waiting LoRA "
+                                        "adapters (vLLM's name, for routers)", gauge)
+        except Exception as exc:  # noqa: BLE001 - whatever the metric API raises
+            logger.warning("vllm:lora_requests_info is not published: %s", exc)
+            self._info_family = None
+        self._info: dict[tuple[str, str], Any] = {}
+        self._last: tuple = ()
+
+    def update(self, stats: SchedulerStats) -> None:
+        snapshot = (stats.lora_running, stats.lora_waiting, stats.lora_resident)
+        if snapshot == self._last:
+            return
+        for family, kind, counts, old in (
+                (self._running, "running", stats.lora_running, self._last[:1]),
+                (self._waiting, "waiting", stats.lora_waiting, self._last[1:2])):
+            now = dict(counts)
+            before = dict(old[0]) if old else {}
+            for name in now.keys() | before.keys():
+                key = (kind, name)
+                if key not in self._per_adapter:
+                    self._per_adapter[key] = family.Metric(labels={**self._labels,
+                                                                   "adapter": name})
+                self._per_adapter[key].set(now.get(name, 0))
+        self.resident.set(len(stats.lora_resident))
+        if self._info_family is not None:
+            # One sample per set of adapter lists seen, as vLLM's: the current one has the
+            # newest time.
+            key = (",".join(dict(stats.lora_running)), ",".join(dict(stats.lora_waiting)))
+            if key not in self._info:
+                self._info[key] = self._info_family.Metric(labels={
+                    **self._labels, "running_lora_adapters": key[0],
+                    "waiting_lora_adapters": key[1], "max_lora": str(self._max_loras)})
+            self._info[key].set(time.time())
+        self._last = snapshot
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
+        """`max_loras`: the model's adapter slots, where LoRA is on (None: off)."""
+        self.lora = LoraMetrics(model_name, max_loras) if max_loras else None
         labels = {"model": model_name}
         gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         self._families = [  # keep the families alive as long as their metrics
@@ -86,6 +146,8 @@ class EngineMetrics:
         """Set the gauges whose value changed. Each `set` is a round trip to tritonserver that
         holds the GIL while it waits: an idle model must make none, or a stub whose server
         exited without unloading it blocks there forever (its watchdog never runs)."""
+        if self.lora is not None:
+            self.lora.update(stats)
         values = (stats.kv_pages_total, stats.kv_pages_in_use, stats.kv_pages_cached,
                   stats.running, stats.waiting,
                   stats.accepted_draft_tokens / max(1, stats.draft_tokens),
