@@ -93,6 +93,10 @@ class EngineSettings:
         4, "int", "LoRA adapters on the device at once; requests for others wait for a slot "
         "no running request uses", low=1)
     max_lora_rank: int = spec_field(16, "int", "the largest LoRA rank accepted", low=1)
+    max_cpu_loras: int = spec_field(
+        32, "int", "LoRA adapters kept in host memory (least recently used ones are read "
+        "again from their folders when next needed; those in device slots are always kept)",
+        low=1)
     jump_forward: bool = spec_field(
         True, "bool", "structured output: the tokens a grammar forces are verified in one "
         "step (same output)")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minisgl_backend import LLM, SamplingParams
+from minisgl_backend.core import Req
 from minisgl_backend.testing.tiny_models import build_tiny_model
 from tests.conftest import CHECKED, mixed_prompts
 
@@ -239,3 +240,33 @@ def test_default_model_adapter_changes_outputs_and_unloading_restores_them(
         after = llm.generate(prompt, params)[0].token_ids
     assert tuned != base
     assert beside == base and after == base
+
+
+def test_host_copies_beyond_max_cpu_loras_are_read_again(
+        models: dict[str, dict[str, Path]]) -> None:
+    """One device slot, one host copy, three adapters taking turns: each is freed and read
+    again from its folder, and the outputs still equal PEFT's."""
+    folders = models["llama"]
+    prompts = mixed_prompts(6)
+    loras = ["qv4", "all8", "mlp2", "qv4", "mlp2", "all8"]
+    expected = oracle(folders, prompts, loras)
+    with LLM(folders["base"], device="cpu", hooks=CHECKED, max_lora_rank=8, max_loras=1,
+             max_cpu_loras=1, lora_adapters=adapters_setting(folders)) as llm:
+        for prompt, lora, tokens in zip(prompts, loras, expected):
+            assert llm.generate([prompt], GREEDY, lora=lora)[0].token_ids == tokens
+        assert len(llm.scheduler.loras.engine_has) == 1
+
+
+def test_slots_drop_host_copies_they_do_not_hold() -> None:
+    from minisgl_backend.engine.protocol import StepMessage
+    from minisgl_backend.scheduler.lora import AdapterSlots
+
+    slots = AdapterSlots("a=/x,b=/y,c=/z", max_loras=1, max_cpu_loras=1)
+    req = Req(uid=0, input_ids=[1], prompt_len=1, sampling_params=SamplingParams(), seed=0,
+              table_idx=0, lora_id=3)
+    req.lora_slot, req.lora_load = slots.acquire(3)
+    msg = StepMessage(is_prefill=True)
+    slots.admit(msg, req)
+    assert list(msg.lora_drop_ids) == [1, 2]  # startup copies beyond the limit
+    assert list(msg.lora_read_ids) == []  # c was read at startup
+    assert list(msg.lora_load_slots) == [0] and list(msg.lora_load_ids) == [3]

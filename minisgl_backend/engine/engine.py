@@ -211,6 +211,8 @@ class Engine:
     def _apply_adapters(self, msg: StepMessage) -> None:
         """Adapters first used at run time (read from their folders), then slot loads."""
         assert self.lora is not None, "an adapter message for an engine without LoRA"
+        for adapter_id in msg.lora_drop_ids:
+            self.lora.drop(int(adapter_id))
         ends = np.cumsum(msg.lora_read_path_lens)
         for adapter_id, end, length in zip(msg.lora_read_ids, ends, msg.lora_read_path_lens):
             folder = bytes(msg.lora_read_paths[end - length:end]).decode()

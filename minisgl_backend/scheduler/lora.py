@@ -23,7 +23,8 @@ from minisgl_backend.lora.config import parse_lora_adapters
 
 
 class AdapterSlots:
-    def __init__(self, lora_adapters: str, max_loras: int) -> None:
+    def __init__(self, lora_adapters: str, max_loras: int, max_cpu_loras: int = 0) -> None:
+        """`max_cpu_loras`: host copies the engine keeps (0: no limit)."""
         self._lock = threading.Lock()  # names are registered from callers' threads
         self.ids: dict[str, int] = {}  # name -> id (1, 2, ...; 0: the base model)
         self.names: dict[int, str] = {}  # id -> name, unloaded adapters' too
@@ -31,7 +32,10 @@ class AdapterSlots:
         self._next_id = 1
         for name, folder in parse_lora_adapters(lora_adapters).items():
             self._add(name, folder)
-        self.engine_has = set(self.folders)  # the engine reads startup adapters itself
+        # Host copies on the engine, least recently loaded first (it reads the startup
+        # adapters itself).
+        self.engine_has: dict[int, None] = dict.fromkeys(self.folders)
+        self.max_cpu_loras = max_cpu_loras
         self.holds = [0] * max_loras  # adapter id per slot (0: empty)
         self.users = [0] * max_loras  # running requests per slot
         self.last_use = [0] * max_loras
@@ -88,6 +92,16 @@ class AdapterSlots:
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
 
+    def _drop_host_copies(self, msg: StepMessage) -> None:
+        """Free the least recently loaded host copies beyond `max_cpu_loras` (never one a slot
+        holds: the engine may reload a slot from it no more, but keeping it costs nothing)."""
+        while self.max_cpu_loras and len(self.engine_has) > self.max_cpu_loras:
+            victim = next((a for a in self.engine_has if a not in self.holds), None)
+            if victim is None:
+                return
+            del self.engine_has[victim]
+            msg.lora_drop_ids.append(victim)
+
     def stats(self, running: Iterable[Req], waiting: Iterable[Req]) -> dict[str, Any]:
         """`SchedulerStats`' LoRA fields: requests per adapter name, and the resident ones."""
         def per_adapter(reqs: Iterable[Req]) -> tuple[tuple[str, int], ...]:
@@ -107,7 +121,9 @@ class AdapterSlots:
                 msg.lora_read_ids.append(req.lora_id)
                 msg.lora_read_paths.extend(path)
                 msg.lora_read_path_lens.append(len(path))
-                self.engine_has.add(req.lora_id)
+            self.engine_has.pop(req.lora_id, None)
+            self.engine_has[req.lora_id] = None  # most recently loaded
+            self._drop_host_copies(msg)
             msg.lora_load_slots.append(req.lora_slot)
             msg.lora_load_ids.append(req.lora_id)
             req.lora_load = False

@@ -154,7 +154,8 @@ class Scheduler:
                                   create_prefix_cache(config.engine.cache, page_size),
                                   self.engine.long_rope_from)
         self.rows = RowAllocator(config.engine.max_running_requests)
-        self.loras = AdapterSlots(config.engine.lora_adapters, config.engine.max_loras)
+        self.loras = AdapterSlots(config.engine.lora_adapters, config.engine.max_loras,
+                                  config.engine.max_cpu_loras)
         self.prefill = PrefillManager(self.cache, self.rows, config.engine.chunked_prefill_size,
                                       config.engine.max_running_requests, self.loras)
         self.decode = DecodeManager()
