@@ -53,7 +53,8 @@ FORMATS: dict[str, Format] = {
     "compressed_channel": Format(
         "channel", "token", {
             "quant_method": "compressed-tensors", "format": "float-quantized",
-            "quantization_status": "compressed", "ignore": ["lm_head", "re:.*layers\\.0\\.mlp\\..*"],
+            "quantization_status": "compressed",
+            "ignore": ["lm_head", "re:.*layers\\.0\\.mlp\\..*"],
             "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                 "dynamic": False, "symmetric": True},
             "config_groups": {"group_0": {
