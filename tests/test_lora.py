@@ -270,3 +270,19 @@ def test_slots_drop_host_copies_they_do_not_hold() -> None:
     assert list(msg.lora_drop_ids) == [1, 2]  # startup copies beyond the limit
     assert list(msg.lora_read_ids) == []  # c was read at startup
     assert list(msg.lora_load_slots) == [0] and list(msg.lora_load_ids) == [3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graph_max_bs, overlap", [(0, False), (16, True)])
+def test_gpu_float32_adapters_equal_peft(models: dict[str, dict[str, Path]], graph_max_bs: int,
+                                         overlap: bool) -> None:
+    """On a GPU (float32, the LoRA kernels; decode steps with adapter rows run eagerly, the
+    others in CUDA graphs)."""
+    folders = models["qwen3"]
+    prompts = mixed_prompts(8)
+    expected = oracle(folders, prompts, MIXED)
+    with LLM(folders["base"], device="cuda", dtype="float32", hooks=CHECKED, max_lora_rank=8,
+             lora_adapters=adapters_setting(folders), attention_backend="triton",
+             cuda_graph_max_bs=graph_max_bs, overlap=overlap) as llm:
+        outputs = llm.generate(prompts, GREEDY, lora=MIXED)
+    assert [o.token_ids for o in outputs] == expected
