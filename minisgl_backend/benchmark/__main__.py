@@ -7,7 +7,7 @@ import argparse
 import importlib
 
 SUBCOMMANDS = ("offline", "decode", "serving", "controls", "structured", "speculative",
-               "fp8", "kernels", "scheduler", "suite", "pack")
+               "fp8", "lora", "kernels", "scheduler", "suite", "pack")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ what is left of `--budget-s` is skipped and says so, and so is one whose needs (
 perf_analyzer, two GPUs) are missing. The kernels are compiled first (`kernels --warm`:
 FlashInfer JIT-compiles on first use, minutes on a fresh machine).
 `--steps` picks groups: tests, offline, decode, mechanisms, controls, structured, speculative,
-fp8, kernels, serving, tp. A step's command may name the logs' folder as `{out}` (JSON results).
+fp8, lora, kernels, serving, tp. A step's command may name the logs' folder as `{out}` (JSON results).
 
 On a GPU host without a package index, what it lacks travels in `.carry/` (git-ignored):
 `site.tar.xz` (built by the `pack` subcommand from pinned wheels) is unpacked once into
@@ -31,13 +31,15 @@ from pathlib import Path
 from minisgl_backend.benchmark.cli import REPO_ROOT
 
 GROUPS = ("tests", "offline", "decode", "mechanisms", "controls", "structured", "speculative",
-          "fp8", "kernels", "serving", "tp")
+          "fp8", "lora", "kernels", "serving", "tp")
 KERNEL_TESTS = ("test_triton_attention.py test_qkv_prologue.py test_fused_moe.py "
                 "test_activation.py test_sampling_kernel.py test_gemv.py test_logit_edits.py "
                 "test_penalties.py test_logprob_kernel.py test_token_masks_kernel.py "
-                "test_kernel_launch.py")
+                "test_kernel_launch.py test_fp8_kernels.py test_fp8_kv_cache.py "
+                "test_lora_kernel.py")
 ENGINE_TESTS = ("test_gpu_engine.py test_gpu_sampling_controls.py test_gpu_speculative.py "
-                "test_sliding_window_gpu.py test_gpu_architectures.py test_device_wait.py")
+                "test_sliding_window_gpu.py test_gpu_architectures.py test_device_wait.py "
+                "test_gpu_fp8.py")
 # Llama 3's tokens at their own vocabulary size: xgrammar's accepts slow with ids missing.
 JSON = "--tokenizer llama-3 --vocab-size 128256 --max-total-tokens 65536 --batch-sizes 1 64 256"
 
@@ -81,6 +83,8 @@ STEPS = [
     Step("fp8", "fp8-accuracy", 240, "fp8 --parts accuracy --json {out}/fp8-accuracy.json"),
     Step("fp8", "fp8-llama-3.1-8b", 480,
          "fp8 --shape llama-3.1-8b --repeats 1 --json {out}/fp8-llama-3.1-8b.json"),
+    *(Step("lora", f"lora-{s}", 300, f"lora --shape {s} --batch-sizes 1 64 --repeats 1")
+      for s in ("qwen3-0.6b", "llama-3.1-8b")),
     Step("kernels", "kernels", 300, "kernels --batch-sizes 1 8 64 256 --page-sizes 16 64"),
     Step("serving", "serving-qwen3-0.6b", 600, "serving --shape qwen3-0.6b --page-size 64",
          "triton"),
