@@ -39,17 +39,26 @@ def lora_blocks(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 @triton.jit
+def _block_tokens(order_ptr, block_slot_ptr, block_start_ptr, block_len_ptr,
+                  BLOCK_T: tl.constexpr):
+    """This program's block: its slot, its first index into the sorted tokens, which of its
+    BLOCK_T lanes hold a token, and those tokens."""
+    block = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + block).to(tl.int64)
+    start = tl.load(block_start_ptr + block)
+    t_mask = tl.arange(0, BLOCK_T) < tl.load(block_len_ptr + block)
+    tokens = tl.load(order_ptr + start + tl.arange(0, BLOCK_T), mask=t_mask, other=0)
+    return slot, start, t_mask, tokens
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, block_slot_ptr, block_start_ptr,
                    block_len_ptr, K, R, stride_xt, stride_as, stride_ar, stride_ht,
                    DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block).to(tl.int64)
-    start = tl.load(block_start_ptr + block)
-    count = tl.load(block_len_ptr + block)
+    slot, start, t_mask, tokens = _block_tokens(order_ptr, block_slot_ptr, block_start_ptr,
+                                                block_len_ptr, BLOCK_T)
     t = tl.arange(0, BLOCK_T)
-    t_mask = t < count
-    tokens = tl.load(order_ptr + start + t, mask=t_mask, other=0)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
     acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
@@ -71,13 +80,9 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, block_slot_ptr, block_start
                    block_len_ptr, N, R, stride_ht, stride_bs, stride_bn, stride_ot,
                    DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    block = tl.program_id(0)
-    slot = tl.load(block_slot_ptr + block).to(tl.int64)
-    start = tl.load(block_start_ptr + block)
-    count = tl.load(block_len_ptr + block)
+    slot, start, t_mask, tokens = _block_tokens(order_ptr, block_slot_ptr, block_start_ptr,
+                                                block_len_ptr, BLOCK_T)
     t = tl.arange(0, BLOCK_T)
-    t_mask = t < count
-    tokens = tl.load(order_ptr + start + t, mask=t_mask, other=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     r = tl.arange(0, BLOCK_R)

@@ -6,7 +6,8 @@ what is left of `--budget-s` is skipped and says so, and so is one whose needs (
 perf_analyzer, two GPUs) are missing. The kernels are compiled first (`kernels --warm`:
 FlashInfer JIT-compiles on first use, minutes on a fresh machine).
 `--steps` picks groups: tests, offline, decode, mechanisms, controls, structured, speculative,
-fp8, lora, kernels, serving, tp. A step's command may name the logs' folder as `{out}` (JSON results).
+fp8, lora, kernels, serving, tp. A step's command may name the logs' folder as `{out}` (JSON
+results).
 
 On a GPU host without a package index, what it lacks travels in `.carry/` (git-ignored):
 `site.tar.xz` (built by the `pack` subcommand from pinned wheels) is unpacked once into
