@@ -18,6 +18,7 @@ from minisgl_backend.engine.protocol import STEP, StepMessage, decode, encode
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.scheduler.cache import CacheManager
+from minisgl_backend.scheduler.lora import AdapterSlots
 from minisgl_backend.scheduler.prefill import PrefillManager
 from minisgl_backend.scheduler.scheduler import Scheduler
 from minisgl_backend.scheduler.table import RowAllocator
@@ -202,7 +203,7 @@ def test_scheduler_step_message_sends_admitted_seeds_and_new_pages() -> None:
     batch, admitted = prefill.schedule([])
     assert batch == admitted == reqs
     fake_scheduler = SimpleNamespace(cache=cache, guided_uids=set(), _long_rope_rows=[],
-                                     vocab_size=VOCAB)
+                                     vocab_size=VOCAB, loras=AdapterSlots("", 1))
     fake_scheduler._admission = lambda msg, req: Scheduler._admission(  # type: ignore[attr-defined]
         fake_scheduler, msg, req)  # type: ignore[arg-type]
     msg = Scheduler._step_message(fake_scheduler, batch, admitted, True,  # type: ignore[arg-type]
