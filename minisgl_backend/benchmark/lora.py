@@ -23,6 +23,7 @@ from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.workloads import fixed_workload
 from minisgl_backend.lora.config import ADAPTABLE, projection_shapes
 from minisgl_backend.models import ModelConfig
+from minisgl_backend.models.projections import MODULE_BLOCK
 
 HEADER = ("run", "batch", "decode tok/s", "ms/step", "step vs base")
 
@@ -45,7 +46,7 @@ def write_random_adapter(folder: Path, config: ModelConfig, rank: int, seed: int
     tensors = {}
     for layer in range(config.num_layers):
         for module, (out_features, in_features) in projection_shapes(config).items():
-            block = "self_attn" if module in ADAPTABLE[:4] else "mlp"
+            block = MODULE_BLOCK[module]
             if block == "mlp" and config.is_moe_layer(layer):
                 continue
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"

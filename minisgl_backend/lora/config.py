@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_backend.models.config import ModelConfig
+from minisgl_backend.models.projections import MODULE_BLOCK
 
 # The projections an adapter may target, by their PEFT (HF) module names.
-ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTABLE = tuple(MODULE_BLOCK)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from minisgl_backend.lora.config import projection_shapes
 from minisgl_backend.models.config import ModelConfig
+from minisgl_backend.models.projections import MODULE_BLOCK
 
 # TensorRT-LLM's module ids (LoraManager.LORA_MODULE_IDS) of the modules the engine adapts.
 MODULE_IDS = {1: "q_proj", 2: "k_proj", 3: "v_proj", 4: "o_proj", 5: "gate_proj",
@@ -60,8 +61,7 @@ def write_peft_adapter(weights: np.ndarray, config: np.ndarray, model: ModelConf
         a[:size] = torch.from_numpy(row[:a_len].astype(np.float32).reshape(size, in_features))
         b[:, :size] = torch.from_numpy(row[a_len:a_len + b_len].astype(np.float32).reshape(
             out_features, size))
-        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        prefix = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"
         tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
     if not tensors:
         raise ValueError("lora_config has no rows")

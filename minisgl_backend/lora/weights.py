@@ -25,15 +25,10 @@ from torch import nn
 from minisgl_backend.lora.config import AdapterConfig
 from minisgl_backend.lora.ops import LoraStack
 from minisgl_backend.models.config import ModelConfig
-from minisgl_backend.models.weights import CheckpointReader, kv_head_range, rank_split
+from minisgl_backend.models.projections import (PROJECTION_MODULES, ROW_PARALLEL_PROJECTIONS,
+                                                rank_parts)
+from minisgl_backend.models.weights import CheckpointReader
 
-# Engine projection -> (split: "column" or "row", the PEFT modules it is made of, in order).
-PROJECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "self_attn.qkv_proj": ("column", ("q_proj", "k_proj", "v_proj")),
-    "self_attn.o_proj": ("row", ("o_proj",)),
-    "mlp.gate_up_proj": ("column", ("gate_proj", "up_proj")),
-    "mlp.down_proj": ("row", ("down_proj",)),
-}
 PEFT_PREFIX = "base_model.model."
 
 
@@ -48,7 +43,7 @@ class LoraSet:
         self.dtype = dtype
         self.stacks: dict[tuple[int, str], LoraStack] = {}
         for i, layer in enumerate(model.model.layers):
-            for name, (_, parts) in PROJECTIONS.items():
+            for name, parts in PROJECTION_MODULES.items():
                 linear = layer.projection(name)
                 if linear is None:
                     continue  # an MoE layer's experts: not adaptable
@@ -89,12 +84,12 @@ class LoraSet:
         with ExitStack() as stack:
             reader = CheckpointReader(Path(adapter.folder), stack, torch.device("cpu"))
             for (layer, name), lora_stack in self.stacks.items():
-                split, parts = PROJECTIONS[name]
+                split = "row" if name in ROW_PARALLEL_PROJECTIONS else "column"
                 a = torch.zeros(lora_stack.a.shape[1:], dtype=torch.float32)
                 b = torch.zeros(lora_stack.b.shape[1:], dtype=torch.float32)
                 found = False
                 rows = 0
-                for p, (part, start, stop) in enumerate(self._parts(layer, name)):
+                for p, (part, start, stop) in enumerate(rank_parts(self.config, name)):
                     module = f"{PEFT_PREFIX}model.layers.{layer}.{name.split('.')[0]}.{part}"
                     if part in adapter.targets:
                         a_part, b_part = self._pair(reader, adapter, module, split, start, stop)
@@ -117,21 +112,6 @@ class LoraSet:
             raise ValueError(f"LoRA adapter {adapter.name!r}: tensors the engine cannot apply "
                              f"to the {self.config.architecture} model: {', '.join(unread[:4])}")
         return out
-
-    def _parts(self, layer: int, name: str) -> list[tuple[str, int, int]]:
-        """(PEFT module, first, after) of each part: this rank's output rows (column-parallel)
-        or input columns (row-parallel)."""
-        c, hd = self.config, self.config.head_dim
-        split, parts = PROJECTIONS[name]
-        if name == "self_attn.qkv_proj":
-            (q0, q1), (k0, k1) = rank_split(c.num_heads), kv_head_range(c)
-            return [("q_proj", q0 * hd, q1 * hd), ("k_proj", k0 * hd, k1 * hd),
-                    ("v_proj", k0 * hd, k1 * hd)]
-        if name == "mlp.gate_up_proj":
-            start, stop = rank_split(c.intermediate_size)
-            return [(part, start, stop) for part in parts]
-        full_in = c.num_heads * hd if name == "self_attn.o_proj" else c.intermediate_size
-        return [(parts[0], *rank_split(full_in))]
 
     def _pair(self, reader: CheckpointReader, adapter: AdapterConfig, module: str, split: str,
               start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from minisgl_backend.distributed import get_tp_info
 from minisgl_backend.layers.embedding import vocab_shard
 from minisgl_backend.models.config import ModelConfig
+from minisgl_backend.models.projections import ROW_PARALLEL_PROJECTIONS, rank_parts, rank_split
 from minisgl_backend.quantization.config import QuantScheme
 from minisgl_backend.quantization.fp8 import FP8
 from minisgl_backend.quantization.model import fp8_projections, quantize_weight
@@ -94,22 +94,6 @@ class CheckpointReader:
         return math.prod(self._handles[name].get_slice(name).get_shape())
 
 
-def rank_split(size: int) -> tuple[int, int]:
-    """This rank's [start, stop) of a dimension split evenly over the ranks."""
-    tp = get_tp_info()
-    shard = size // tp.size
-    return tp.rank * shard, (tp.rank + 1) * shard
-
-
-def kv_head_range(config: ModelConfig) -> tuple[int, int]:
-    tp = get_tp_info()
-    if config.num_kv_heads >= tp.size:
-        per_rank = config.num_kv_heads // tp.size
-        return tp.rank * per_rank, (tp.rank + 1) * per_rank
-    head = tp.rank * config.num_kv_heads // tp.size  # replicated KV head
-    return head, head + 1
-
-
 class WeightLoader:
     """Builds each local parameter tensor from its checkpoint name(s)."""
 
@@ -150,31 +134,27 @@ class WeightLoader:
         return self.reader.rows(self.checkpoint_name(name))  # replicated: norms, biases of o
 
     def _qkv(self, m: re.Match[str]) -> torch.Tensor:
-        prefix, kind = self.checkpoint_name(m.group(1)), m.group(2)
         c, hd = self.config, self.config.head_dim
-        q0, q1 = rank_split(c.num_heads)
-        k0, k1 = kv_head_range(c)
-        fused = f"{prefix}.qkv_proj"
-        if f"{fused}.weight" in self.reader:  # Phi-3: [q; k; v] rows in one tensor
-            k_at, v_at = c.num_heads * hd, (c.num_heads + c.num_kv_heads) * hd
-            parts = [(fused, q0 * hd, q1 * hd), (fused, k_at + k0 * hd, k_at + k1 * hd),
-                     (fused, v_at + k0 * hd, v_at + k1 * hd)]
-        else:
-            parts = [(f"{prefix}.q_proj", q0 * hd, q1 * hd),
-                     (f"{prefix}.k_proj", k0 * hd, k1 * hd),
-                     (f"{prefix}.v_proj", k0 * hd, k1 * hd)]
-        return self._column(parts, kind)
+        # Phi-3 stores [q; k; v] rows in one tensor.
+        return self._merged(m, "self_attn.qkv_proj",
+                            (0, c.num_heads * hd, (c.num_heads + c.num_kv_heads) * hd))
 
     def _gate_up(self, m: re.Match[str]) -> torch.Tensor:
+        # Phi-3 stores [gate; up] rows in one tensor.
+        return self._merged(m, "mlp.gate_up_proj", (0, self.config.intermediate_size))
+
+    def _merged(self, m: re.Match[str], projection: str, fused_offsets: tuple[int, ...]
+                ) -> torch.Tensor:
+        """A merged column-parallel tensor from its parts, stored apart or fused (each part at
+        its row offset in the fused tensor)."""
         prefix, kind = self.checkpoint_name(m.group(1)), m.group(2)
-        size = self.config.intermediate_size
-        start, stop = rank_split(size)
-        fused = f"{prefix}.gate_up_proj"
-        if f"{fused}.weight" in self.reader:  # Phi-3: [gate; up] rows in one tensor
-            parts = [(fused, start, stop), (fused, size + start, size + stop)]
-        else:
-            parts = [(f"{prefix}.{part}_proj", start, stop) for part in ("gate", "up")]
-        return self._column(parts, kind)
+        fused = f"{prefix}.{projection.split('.')[1]}"
+        parts = rank_parts(self.config, projection)
+        if f"{fused}.weight" in self.reader:
+            return self._column([(fused, at + start, at + stop)
+                                 for (_, start, stop), at in zip(parts, fused_offsets)], kind)
+        return self._column([(f"{prefix}.{module}", start, stop)
+                             for module, start, stop in parts], kind)
 
     def _column(self, parts: list[tuple[str, int, int]], kind: str) -> torch.Tensor:
         """A column-parallel tensor made of `parts`: (checkpoint module, first row, row after)
@@ -207,10 +187,9 @@ class WeightLoader:
 
     def _row_parallel_columns(self, m: re.Match[str]) -> tuple[str, str, tuple[int, int]]:
         """(checkpoint module, tensor kind, this rank's [start, stop) input columns)."""
-        full_in = (self.config.num_heads * self.config.head_dim if m.group(2) == "o_proj"
-                   else self.config.intermediate_size)
-        module = self.checkpoint_name(f"{m.group(1)}.{m.group(2)}")
-        return module, m.group(3), rank_split(full_in)
+        projection = next(p for p in ROW_PARALLEL_PROJECTIONS if p.endswith(m.group(2)))
+        (_, start, stop), = rank_parts(self.config, projection)
+        return self.checkpoint_name(f"{m.group(1)}.{m.group(2)}"), m.group(3), (start, stop)
 
     def quantized_online(self, name: str, layer: torch.nn.Module,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

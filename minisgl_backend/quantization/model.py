@@ -16,18 +16,12 @@ from torch import nn
 from minisgl_backend.distributed import get_tp_info
 from minisgl_backend.layers.linear import (MergedColumnParallelLinear, ParallelLinear,
                                            QKVParallelLinear, RowParallelLinear)
+from minisgl_backend.models.projections import PROJECTION_MODULES
 from minisgl_backend.quantization.config import QuantScheme
 from minisgl_backend.quantization.fp8 import quantize_blocks, quantize_per_channel
 
 logger = logging.getLogger(__name__)
 
-# Engine projection -> the checkpoint modules it is made of (separate, or stored fused).
-PROJECTION_PARTS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)),
-    "self_attn.o_proj": (("o_proj",),),
-    "mlp.gate_up_proj": (("gate_proj", "up_proj"), ("gate_up_proj",)),
-    "mlp.down_proj": (("down_proj",),),
-}
 
 
 def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
@@ -40,13 +34,14 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
             raise ValueError(f"the checkpoint's FP8 experts of {prefix}.mlp are not supported: "
                              "FP8 MoE experts are not implemented (list them in the "
                              "quantization config's ignore list to keep them unquantized)")
-        for name, variants in PROJECTION_PARTS.items():
+        for name, modules in PROJECTION_MODULES.items():
             linear = layer.projection(name)
             if linear is None:
                 continue  # an MoE layer's experts
-            parent = f"{prefix}.{name.split('.')[0]}"
-            flags = {f"{parent}.{part}": scheme.quantizes(f"{parent}.{part}")
-                     for parts in variants for part in parts}
+            parent, fused = name.split(".")
+            # The checkpoint's modules, stored apart or fused under the projection's name.
+            flags = {f"{prefix}.{parent}.{part}": scheme.quantizes(f"{prefix}.{parent}.{part}")
+                     for part in {*modules, fused}}
             if not any(flags.values()):
                 continue
             if not all(flags.values()):
@@ -58,7 +53,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
                 _check_blocks(linear, f"{prefix}.{name}", scheme.block, tp)
             linear.to_fp8(scheme.block, scheme.static_inputs)
             count += 1
-        if any(getattr(layer.projection(n), "fp8", False) for n in PROJECTION_PARTS):
+        if any(getattr(layer.projection(n), "fp8", False) for n in PROJECTION_MODULES):
             # The fused few-rows GEMVs read bf16 weights; FP8 layers take fp8_linear's own.
             layer.fused_gemv_fits = False
     logger.info("%s: %d projections in FP8", scheme.describe(), count)
