@@ -125,12 +125,12 @@ class StepMessage:
     # samples are prompt chunks' (not output tokens, for the penalties' counts).
     long_rope_rows: Values = _array("int32")
     long_rope_lens: Values = _array("int32")
-    # LoRA: adapters whose host copies the engine frees; adapters it reads (first used, or
-    # freed before: id, and the folder's path as UTF-8 bytes, concatenated, with each path's
-    # length); adapters copied into device slots
-    # before this step (slot, adapter id from 1), and the admitted rows that take one (row,
-    # slot); other admitted rows take none.
-    lora_drop_ids: Values = _array("int32")  # host copies to free (read again when needed)
+    # LoRA: adapters whose host copies the engine frees (read again when needed); adapters it
+    # reads (first used, or freed before: id, and the folder's path as UTF-8 bytes,
+    # concatenated, with each path's length); adapters copied into device slots before this
+    # step (slot, adapter id from 1); the admitted rows that take one (row, slot), other
+    # admitted rows taking none.
+    lora_drop_ids: Values = _array("int32")
     lora_read_ids: Values = _array("int32")
     lora_read_paths: Values = _array("uint8")
     lora_read_path_lens: Values = _array("int32")

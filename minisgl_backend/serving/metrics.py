@@ -52,12 +52,12 @@ class LoraMetrics:
         snapshot = (stats.lora_running, stats.lora_waiting, stats.lora_resident)
         if snapshot == self._last:
             return
-        for family, kind, counts, old in (
-                (self._running, "running", stats.lora_running, self._last[:1]),
-                (self._waiting, "waiting", stats.lora_waiting, self._last[1:2])):
+        last_running, last_waiting = self._last[:2] if self._last else ((), ())
+        for family, kind, counts, before in (
+                (self._running, "running", stats.lora_running, last_running),
+                (self._waiting, "waiting", stats.lora_waiting, last_waiting)):
             now = dict(counts)
-            before = dict(old[0]) if old else {}
-            for name in now.keys() | before.keys():
+            for name in now.keys() | dict(before).keys():  # an adapter gone goes to 0
                 key = (kind, name)
                 if key not in self._per_adapter:
                     self._per_adapter[key] = family.Metric(labels={**self._labels,
