@@ -276,7 +276,7 @@ def test_slots_drop_host_copies_they_do_not_hold() -> None:
 @pytest.mark.parametrize("graph_max_bs, overlap", [(0, False), (16, True)])
 def test_gpu_float32_adapters_equal_peft(models: dict[str, dict[str, Path]], graph_max_bs: int,
                                          overlap: bool) -> None:
-    """On a GPU (float32, the LoRA kernels; decode steps with adapter rows run eagerly, the
+    """On a GPU (float32, the grouped GEMMs; decode steps with adapter rows run eagerly, the
     others in CUDA graphs)."""
     folders = models["qwen3"]
     prompts = mixed_prompts(8)

@@ -36,8 +36,7 @@ GROUPS = ("tests", "offline", "decode", "mechanisms", "controls", "structured", 
 KERNEL_TESTS = ("test_triton_attention.py test_qkv_prologue.py test_fused_moe.py "
                 "test_activation.py test_sampling_kernel.py test_gemv.py test_logit_edits.py "
                 "test_penalties.py test_logprob_kernel.py test_token_masks_kernel.py "
-                "test_kernel_launch.py test_fp8_kernels.py test_fp8_kv_cache.py "
-                "test_lora_kernel.py")
+                "test_kernel_launch.py test_fp8_kernels.py test_fp8_kv_cache.py")
 ENGINE_TESTS = ("test_gpu_engine.py test_gpu_sampling_controls.py test_gpu_speculative.py "
                 "test_sliding_window_gpu.py test_gpu_architectures.py test_device_wait.py "
                 "test_gpu_fp8.py")

@@ -2,9 +2,8 @@
 
 A step's tokens are grouped by adapter slot once (`LoraRows`, built by the engine); each adapted
 projection then adds, group by group, `(x[g] @ A[slot].T) @ B[slot].T` to its output: the
-segmented shrink and expand of Punica and S-LoRA. The torch reference runs one pair of GEMMs
-per slot present; on a GPU the project's Triton kernels (`kernels/lora.py`) run all groups in
-two launches. Tokens without an adapter are in no group and get nothing.
+segmented shrink and expand of Punica and S-LoRA, here one pair of GEMMs per slot present, on
+CPU and GPU alike. Tokens without an adapter are in no group and get nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ class LoraStack:
 @dataclass
 class LoraRows:
     """The tokens of a step that take an adapter, grouped: (slot, token indices on the
-    device) per slot present; on a GPU also the kernels' blocks (`kernels.lora.lora_blocks`:
-    sorted tokens, per block its slot, start and count)."""
+    device) per slot present."""
 
     groups: list[tuple[int, torch.Tensor]]
-    blocks: tuple[torch.Tensor, ...] | None = None
 
     @staticmethod
     def of(token_slots: np.ndarray, device: torch.device) -> LoraRows | None:
@@ -38,22 +35,12 @@ class LoraRows:
         slots = np.unique(token_slots[token_slots >= 0])
         if not len(slots):
             return None
-        rows = LoraRows([(int(s), torch.from_numpy(np.nonzero(token_slots == s)[0]).to(device))
+        return LoraRows([(int(s), torch.from_numpy(np.nonzero(token_slots == s)[0]).to(device))
                          for s in slots])
-        if device.type == "cuda":
-            from kernels.lora import lora_blocks
-
-            rows.blocks = tuple(torch.from_numpy(a).to(device) for a in lora_blocks(token_slots))
-        return rows
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows) -> None:
     """out[tokens] += B[slot] @ (A[slot] @ x[tokens]) for each group, in place."""
-    if rows.blocks is not None and x.is_cuda:
-        from kernels.lora import lora_shrink_expand
-
-        lora_shrink_expand(out, x.contiguous(), stack.a, stack.b, *rows.blocks)
-        return
     for slot, index in rows.groups:
         xs = x.index_select(0, index)
         delta = (xs @ stack.a[slot].T) @ stack.b[slot].T
