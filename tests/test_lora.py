@@ -276,8 +276,8 @@ def test_slots_drop_host_copies_they_do_not_hold() -> None:
 @pytest.mark.parametrize("graph_max_bs, overlap", [(0, False), (16, True)])
 def test_gpu_float32_adapters_equal_peft(models: dict[str, dict[str, Path]], graph_max_bs: int,
                                          overlap: bool) -> None:
-    """On a GPU (float32, the grouped GEMMs; decode steps with adapter rows run eagerly, the
-    others in CUDA graphs)."""
+    """On a GPU (float32, the LoRA kernels; with graphs on, decode steps replay the LoRA or
+    the plain graphs as their rows take adapters or not)."""
     folders = models["qwen3"]
     prompts = mixed_prompts(8)
     expected = oracle(folders, prompts, MIXED)

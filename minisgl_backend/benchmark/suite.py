@@ -36,7 +36,8 @@ GROUPS = ("tests", "offline", "decode", "mechanisms", "controls", "structured", 
 KERNEL_TESTS = ("test_triton_attention.py test_qkv_prologue.py test_fused_moe.py "
                 "test_activation.py test_sampling_kernel.py test_gemv.py test_logit_edits.py "
                 "test_penalties.py test_logprob_kernel.py test_token_masks_kernel.py "
-                "test_kernel_launch.py test_fp8_kernels.py test_fp8_kv_cache.py")
+                "test_kernel_launch.py test_fp8_kernels.py test_fp8_kv_cache.py "
+                "test_lora_kernel.py")
 ENGINE_TESTS = ("test_gpu_engine.py test_gpu_sampling_controls.py test_gpu_speculative.py "
                 "test_sliding_window_gpu.py test_gpu_architectures.py test_device_wait.py "
                 "test_gpu_fp8.py")
@@ -49,14 +50,14 @@ class Step:
     group: str
     name: str
     limit_s: int
-    command: str  # a subcommand's arguments ({out}: the logs' folder), or "tests FILE ..."
+    command: str  # a subcommand's arguments ({out}: the logs' folder), or "tests FILE ... [-k X]"
     needs: str = ""  # "triton": tritonserver and perf_analyzer; "2gpu": two GPUs
 
     def argv(self, out: Path) -> list[str]:
         words = [word.replace("{out}", str(out)) for word in shlex.split(self.command)]
         if words[0] == "tests":
             return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    *(f"tests/{name}" for name in words[1:])]
+                    *(f"tests/{w}" if w.endswith(".py") else w for w in words[1:])]
         return [sys.executable, "-m", "minisgl_backend.benchmark", *words]
 
 
@@ -64,6 +65,7 @@ STEPS = [
     Step("kernels", "warm", 900, "kernels --warm --page-sizes 16 1"),
     Step("tests", "tests-kernels", 600, f"tests {KERNEL_TESTS}"),
     Step("tests", "tests-engine", 900, f"tests {ENGINE_TESTS}"),
+    Step("tests", "tests-lora", 300, "tests test_lora.py -k gpu"),
     *(Step("offline", f"offline-{s}", 300, f"offline --shape {s} --page-size 64 --detokenize both")
       for s in ("qwen3-0.6b", "llama-3.1-8b")),
     Step("decode", "decode-llama-3.1-8b", 600,

@@ -10,6 +10,10 @@ lengths and new page-table entries (all computed on the host) into one pinned ar
 dummy requests, and copies it into the graphs' static input tensor. The graph itself gathers the
 input ids from the engine's token pool, so a step costs the host two launches before the replay
 (the copy and the engine's page-table update) instead of one per input tensor.
+
+An engine serving LoRA adapters captures each size twice: without adapters (what a batch of
+base-model rows replays, paying nothing for LoRA) and with the adapter kernels reading a static
+block table (`kernels/lora.py`), which `stage` fills for a step whose rows take adapters.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from minisgl_backend.attention.base import AttentionBackend
 from minisgl_backend.core import Batch, Context
+from minisgl_backend.lora.ops import LoraRows
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -40,7 +45,7 @@ _ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS, _PAGE_INDEX, _PAGE_VALUE = range(len(S
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, ctx: Context, backend: AttentionBackend,
                  max_bs: int, page_table: torch.Tensor, token_pool: torch.Tensor,
-                 dummy_page: int, page_size: int) -> None:
+                 dummy_page: int, page_size: int, lora_slots: int = 0) -> None:
         self.model = model
         self.ctx = ctx
         self.backend = backend
@@ -57,8 +62,16 @@ class CudaGraphRunner:
         self._padding[_OUT_SLOTS] = dummy_page * page_size
         self.staged = torch.from_numpy(self._padding).to(device)
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.lora_slots = lora_slots
+        if lora_slots:
+            from kernels.lora import max_blocks
+
+            self._lora_blocks = max_blocks(self.max_bs, lora_slots)
+            self.lora_table = torch.zeros(self.max_bs + 3 * self._lora_blocks,
+                                          dtype=torch.int64, device=device)
+        # Keyed by (batch size, whether the graph adds the LoRA delta).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         backend.init_cuda_graph(self.max_bs)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
@@ -70,11 +83,15 @@ class CudaGraphRunner:
         return count <= self.max_bs
 
     def stage(self, columns: Sequence[np.ndarray], page_index: np.ndarray,
-              page_value: np.ndarray) -> tuple[torch.Tensor, ...]:
+              page_value: np.ndarray, lora_slots: np.ndarray | None = None
+              ) -> tuple[torch.Tensor, ...]:
         """Upload a decode step's rows, positions, out slots and seq_lens (`columns`, in that
         order, one entry each) and its new page-table entries (flat indices into the table,
         page ids; at most `max_bs`) in one copy. Returns device views of the six (the caller
-        enters the pages in its table)."""
+        enters the pages in its table). `lora_slots`: each entry's adapter slot (-1: none), for
+        a step that replays the LoRA graphs."""
+        if lora_slots is not None:
+            self._stage_lora(lora_slots)
         n, m = len(columns[0]), len(page_index)
         assert n <= self.max_bs and m <= self.max_bs, f"{n} entries, {m} pages > {self.max_bs}"
         host = torch.empty(self._padding.shape, dtype=torch.int64, pin_memory=True)
@@ -88,6 +105,20 @@ class CudaGraphRunner:
         self.staged.copy_(host, non_blocking=True)
         return (*(self.staged[i, :n] for i in (_ROWS, _POSITIONS, _OUT_SLOTS, _SEQ_LENS)),
                 self.staged[_PAGE_INDEX, :m], self.staged[_PAGE_VALUE, :m])
+
+    def _stage_lora(self, token_slots: np.ndarray) -> None:
+        from kernels.lora import pack_blocks
+
+        packed, _ = pack_blocks(token_slots, self.max_bs, self._lora_blocks)
+        host = torch.from_numpy(packed).pin_memory()
+        self.lora_table.copy_(host, non_blocking=True)
+
+    def lora_rows(self, bs: int) -> LoraRows:
+        """The LoRA graphs' view of the static block table for graphs of `bs` entries."""
+        from kernels.lora import max_blocks, split_blocks
+
+        return LoraRows([], split_blocks(self.lora_table, self.max_bs, self._lora_blocks,
+                                         max_blocks(bs, self.lora_slots)))
 
     def _static_batch(self, bs: int, seq_lens: list[int]) -> Batch:
         staged = self.staged
@@ -105,22 +136,26 @@ class CudaGraphRunner:
     def _capture(self, bs: int, pool: tuple) -> None:
         batch = self._static_batch(bs, [1] * bs)
         self.backend.prepare_for_capture(batch, self.page_table)
-        with self.ctx.forward_batch(batch):
-            self._forward(batch)  # warm-up: lazy initialization and kernel selection
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(batch)
-        self.graphs[bs] = graph
-        self.logits[bs] = logits
+        for lora in (False, True) if self.lora_slots else (False,):
+            batch.lora = self.lora_rows(bs) if lora else None
+            with self.ctx.forward_batch(batch):
+                self._forward(batch)  # warm-up: lazy initialization and kernel selection
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(batch)
+            self.graphs[bs, lora] = graph
+            self.logits[bs, lora] = logits
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [batch.size, vocab] of a decode batch made by `stage` (a view of the graph's
-        output; the batch's input ids are filled in by the replay)."""
+        output; the batch's input ids are filled in by the replay). A batch with `lora` set
+        replays the LoRA graph (its block table was staged)."""
         assert batch.rows.data_ptr() == self.staged.data_ptr(), "the batch was not staged"
         n = batch.size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         padded = self._static_batch(bs, list(batch.seq_lens) + [1] * (bs - n))
         self.backend.prepare_for_replay(padded, self.page_table)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        key = (bs, batch.lora is not None)
+        self.graphs[key].replay()
+        return self.logits[key][:n]

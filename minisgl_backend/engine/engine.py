@@ -194,7 +194,8 @@ class Engine:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.ctx, self.attn_backend,
                 min(config.cuda_graph_max_bs, config.max_samples), self.page_table,
-                self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size)
+                self.token_pool, dummy_page=self.kv_pool.dummy_page, page_size=self.page_size,
+                lora_slots=config.max_loras if self.lora is not None else 0)
 
     def _load_adapters(self, config: EngineConfig) -> LoraSet | None:
         """The LoRA slots, with the adapters of `lora_adapters` read for this rank (ids 1, 2,
@@ -442,26 +443,34 @@ class Engine:
         self.row_len[given] = starts + lens
         self.row_len[others] += 1
         out_slots = token_slots(self.host_page_table, token_rows, positions, self.page_size)
-        lora = (LoraRows.of(self.row_lora[token_rows], self.device) if self.lora is not None
-                else None)
+        # Each token's adapter slot (-1: none); None where no token takes an adapter.
+        lora_slots = self.row_lora[token_rows] if self.lora is not None else None
+        if lora_slots is not None and not (lora_slots >= 0).any():
+            lora_slots = None
         if msg.is_prefill:
             batch = self._prefill_batch(rows, msg, new_pages, token_rows, positions, out_slots,
                                         num_given)
-            batch.lora = lora
+            batch.lora = None if lora_slots is None else LoraRows.of(lora_slots, self.device)
             return batch, rows, False
         # A decode step. Each token is a decode row of its own (its table row repeated),
         # attending to the row's tokens up to itself: the tokens' KV is stored before attention
         # runs, so with drafts this is causal attention on the decode kernels and CUDA graphs.
         seq_lens = positions + 1
         runner = self.graph_runner
-        graphed = (runner is not None and lora is None and runner.fits(len(token_rows))
+        graphed = (runner is not None and runner.fits(len(token_rows))
                    and runner.fits(len(new_pages[0])))
         host = [token_rows, positions, out_slots, seq_lens]
+        lora = None
         if graphed:
             assert runner is not None
-            rows_t, positions_t, slots_t, seq_lens_t, *pages_t = runner.stage(host, *new_pages)
+            rows_t, positions_t, slots_t, seq_lens_t, *pages_t = runner.stage(
+                host, *new_pages, lora_slots=lora_slots)
             self._enter_pages(*pages_t)
+            if lora_slots is not None:
+                lora = runner.lora_rows(runner.max_bs)  # a flag for `run`: the table is staged
         else:
+            if lora_slots is not None:
+                lora = LoraRows.of(lora_slots, self.device)
             self._upload_pages(new_pages)
             rows_t, positions_t, slots_t, seq_lens_t = stack_to_device(host, self.device)
         if num_given:

@@ -167,10 +167,11 @@ class DecoderLayer(nn.Module):
 
     def _takes_fused_gemvs(self, x: torch.Tensor) -> bool:
         """A decode batch of few rows, on an engine that turned the GEMVs on (GPU, no tensor
-        parallelism), in a layer they fit (`fused_gemv_fits`)."""
+        parallelism), in a layer they fit (`fused_gemv_fits`), without LoRA adapters (the
+        fused kernels have no adapter delta)."""
         ctx = get_global_ctx()
         return (self.fused_gemv_fits and 0 < x.shape[0] <= ctx.fused_gemv_max_rows
-                and ctx.batch.is_decode)
+                and ctx.batch.is_decode and ctx.batch.lora is None)
 
     def _forward_fused_gemvs(self, x: torch.Tensor, residual: torch.Tensor | None,
                              positions: torch.Tensor, rope: RotaryEmbedding
