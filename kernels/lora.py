@@ -22,6 +22,9 @@ import triton.language as tl
 from kernels.launch import DirectLaunch, cdiv, next_power_of_2
 
 BLOCK_T = 16  # tokens per block (tl.dot's least M)
+SHRINK_BLOCK_K = 64
+SHRINK_K_PER_SPLIT = 256  # the least K a shrink program takes, up to SHRINK_MAX_SPLITS programs
+SHRINK_MAX_SPLITS = 16
 # The block table: tokens sorted by slot, then per block its slot, first index, token count.
 BlockTable = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -83,9 +86,9 @@ def _block_tokens(order_ptr, block_slot_ptr, block_start_ptr, block_len_ptr,
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, block_slot_ptr, block_start_ptr,
-                   block_len_ptr, K, R, stride_xt, stride_as, stride_ar, stride_ht,
-                   DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   block_len_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
+                   stride_ht, DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     slot, start, count, t_mask, tokens = _block_tokens(order_ptr, block_slot_ptr,
                                                        block_start_ptr, block_len_ptr, BLOCK_T)
     if count == 0:
@@ -94,7 +97,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, block_slot_ptr, block_start_p
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
     acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = tl.program_id(1) * K_PER_SPLIT
+    for k0 in range(k_first, min(k_first + K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :],
@@ -102,9 +106,12 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, block_slot_ptr, block_start_p
         a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
-    rows = start + t
-    tl.store(h_ptr + rows[:, None] * stride_ht + r[None, :], acc,
-             mask=t_mask[:, None] & r_mask[None, :])
+    dst = h_ptr + (start + t)[:, None] * stride_ht + r[None, :]
+    mask = t_mask[:, None] & r_mask[None, :]
+    if SPLIT:
+        tl.atomic_add(dst, acc, mask=mask)
+    else:
+        tl.store(dst, acc, mask=mask)
 
 
 @triton.jit
@@ -151,10 +158,16 @@ def lora_shrink_expand(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: t
     block_r = max(16, next_power_of_2(rank))
     # float32 models (the oracle tests) multiply in full precision, not TF32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    h = torch.empty(order.shape[0], rank, dtype=torch.float32, device=x.device)
-    _launch_shrink((num_blocks,), x, a, h, order, block_slot, block_start, block_len, k, rank,
-                   x.stride(0), a.stride(0), a.stride(1), h.stride(0), DOT_PRECISION=precision,
-                   BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_K=64)
+    # A block's shrink is a long loop over K on one program while few blocks fill few SMs:
+    # split K over programs adding into h.
+    splits = min(SHRINK_MAX_SPLITS, cdiv(k, SHRINK_K_PER_SPLIT))
+    k_per_split = cdiv(cdiv(k, splits), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    h = (torch.zeros if splits > 1 else torch.empty)(order.shape[0], rank, dtype=torch.float32,
+                                                     device=x.device)
+    _launch_shrink((num_blocks, cdiv(k, k_per_split)), x, a, h, order, block_slot, block_start,
+                   block_len, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+                   h.stride(0), DOT_PRECISION=precision, BLOCK_T=BLOCK_T, BLOCK_R=block_r,
+                   BLOCK_K=SHRINK_BLOCK_K, SPLIT=splits > 1)
     _launch_expand((num_blocks, cdiv(n, block_n)), h, b, out, order, block_slot, block_start,
                    block_len, n, rank, h.stride(0), b.stride(0), b.stride(1), out.stride(0),
                    DOT_PRECISION=precision, BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_N=block_n)
