@@ -34,7 +34,9 @@ CLIENTS: dict[str, list[str]] = {
     "llamaindex": ["llama-index-llms-nvidia-triton==0.6.0"],
     "litellm": ["litellm[proxy]==1.105.7", "openai==2.54.0"],
     "genai-perf": ["genai-perf==0.0.16"],
-    "aiperf": ["aiperf==0.13.0"],
+    # transformers 4: AIPerf's count of a chat-templated prompt expects the token list that
+    # apply_chat_template(tokenize=True) returned before transformers 5.
+    "aiperf": ["aiperf==0.13.0", "transformers==4.57.6"],
 }
 
 MARKER = ".client-venv.json"
