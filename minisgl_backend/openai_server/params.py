@@ -39,6 +39,8 @@ OWN: dict[Endpoint, frozenset[str]] = {
 # OpenAI's defaults where they differ from the engine's (which samples greedily by default).
 OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0}
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat: the rest of the context
+DEFAULT_NOTES = {"max_tokens": f"chat: the rest of the context; completions: "
+                               f"`{COMPLETIONS_MAX_TOKENS}`"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 
