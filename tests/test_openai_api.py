@@ -133,7 +133,8 @@ def test_tools_are_described_when_the_template_does_not_render_them(
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     prompt = model.tokenizer.decode(gen.prompt_ids)
     assert "<tools>" in prompt and "\"get_weather\"" in prompt
-    assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}" in prompt
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert f"<tool_call>\n{call}" in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
     assert gen.tools is not None and gen.tools.forced is None
 

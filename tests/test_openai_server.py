@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import secrets
-import signal
 import subprocess
 import time
 import urllib.error

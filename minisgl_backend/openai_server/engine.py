@@ -6,7 +6,7 @@ cancels the request in the engine."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +164,8 @@ class EngineClient:
         raw = config.get("config", config).get("parameters") or {}
         return {key: str(value.get("string_value", "")) for key, value in raw.items()}
 
-    async def generate(self, gen: Generation, request_id: str) -> AsyncIterator[EngineChunk]:
+    async def generate(self, gen: Generation,
+                       request_id: str) -> AsyncGenerator[EngineChunk, None]:
         """The model's responses to `gen`, until its final one. Leaving early (the caller's
         task cancelled, the generator closed) cancels the stream, and with it the request."""
         inputs = [tensor(name, value) for name, value in engine_values(gen).items()]

@@ -4,7 +4,7 @@ back until they are whole), its end, the usage when asked for, then exactly one 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from minisgl_backend.openai_server.engine import EngineChunk
@@ -69,7 +69,7 @@ class ChoiceStreams:
         return out
 
 
-async def sse_events(first: EngineChunk | None, chunks: AsyncIterator[EngineChunk],
+async def sse_events(first: EngineChunk | None, chunks: AsyncGenerator[EngineChunk, None],
                      fmt: Formatter, on_end: Callable[[Usage, str], None]
                      ) -> AsyncIterator[bytes]:
     """The stream's events: `first` (already read, so that a refused request got its 400) then
