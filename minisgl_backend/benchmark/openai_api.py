@@ -1,7 +1,7 @@
 """The OpenAI front door's overhead: the same requests through it and straight to `minisgl`.
 
-One tritonserver serves a copy of `model_repository/minisgl` (`--model`'s checkpoint as its
-`model` parameter) and one front door (`python -m minisgl_backend.openai_server`) stands in
+One tritonserver serves a copy of `model_repository/minisgl` (`--model`'s checkpoint and the
+engine settings given as its parameters) and one front door (`python -m minisgl_backend.openai_server`) stands in
 front of it. A fixed workload (random token-id prompts, greedy, exactly `--output-tokens` each)
 goes at `--concurrency` (the next request sent when one ends), streamed, both ways: to
 `/v1/completions` (prompts as token ids, SSE with the usage chunk) and to the `minisgl` model over
@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from minisgl_backend.benchmark import cli
+from minisgl_backend.benchmark.serving import server_parameters
 from minisgl_backend.benchmark.tritonserver import (REPO_ROOT, Tritonserver, free_ports,
                                                     http_status, set_parameters,
                                                     triton_environment)
@@ -41,6 +42,7 @@ NAME = "bench"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_model_args(parser)
+    cli.add_llm_args(parser)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
                         ignore=shutil.ignore_patterns("__pycache__"))
         config_path = repository / "minisgl" / "config.pbtxt"
         config_path.write_text(set_parameters(config_path.read_text(),
-                                              {"model": str(folder.resolve())}))
+                                              server_parameters(args, folder)))
         server = Tritonserver.start(repository, work / "server.log", triton_environment())
         door = None
         try:
