@@ -26,13 +26,17 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Pinned: what tests/test_clients.py and scripts/genai_perf.sh were checked with.
+# Pinned: what tests/test_clients.py, tests/test_openai_clients.py and scripts/genai_perf.sh
+# were checked with.
 # litellm: 1.105.7 is the newest whose `proxy` extra installs from the index (1.106 to 1.109
 # pin litellm-proxy-extras releases that are not published; 1.110 needs litellm-proxy, absent).
 CLIENTS: dict[str, list[str]] = {
     "llamaindex": ["llama-index-llms-nvidia-triton==0.6.0"],
     "litellm": ["litellm[proxy]==1.105.7", "openai==2.54.0"],
     "genai-perf": ["genai-perf==0.0.16"],
+    # transformers 4: AIPerf's count of a chat-templated prompt expects the token list that
+    # apply_chat_template(tokenize=True) returned before transformers 5.
+    "aiperf": ["aiperf==0.13.0", "transformers==4.57.6"],
 }
 
 MARKER = ".client-venv.json"

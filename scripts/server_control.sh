@@ -19,7 +19,8 @@ PYEOF
 
 start_server_and_wait() {  # start_server_and_wait NAME LOG: serve.sh in the background
   local name="$1" log="$2" deadline
-  ./scripts/serve.sh > "$log" 2>&1 &  # serve.sh execs tritonserver: same pid
+  # Without the OpenAI API (these scripts speak Triton's), serve.sh execs tritonserver: same pid
+  OPENAI_PORT=0 ./scripts/serve.sh > "$log" 2>&1 &
   SERVER_PID=$!
   deadline=$((SECONDS + ${READY_TIMEOUT:-600}))
   until model_ready; do

@@ -187,6 +187,18 @@ def test_serving() -> None:
     assert "'chunked_prefill_size': '64'" in run.stdout  # the server's engine settings
 
 
+def test_openai_api_against_grpc() -> None:
+    """The same 4 streamed requests through the OpenAI front door and straight to minisgl."""
+    run = tool("openai_api", *COMMON, "--shape", "tiny-qwen3", "--concurrency", "2",
+               "--requests", "4", "--prompt-tokens", "8", "--output-tokens", "4",
+               "--repeats", "1")
+    records = check(run, ("path", "concurrency", "requests", "output tokens", "seconds",
+                          "output tok/s", "vs gRPC"))
+    assert [r["path"] for r in records] == ["minisgl over gRPC", "OpenAI front door"]
+    assert all(r["requests"] == "4" and r["output tokens"] == "16" for r in records)
+    assert records[0]["vs gRPC"] == "1.00x" and number(records[1]["vs gRPC"]) > 0
+
+
 def test_controls_side_by_side() -> None:
     run = tool("controls", *COMMON, "--shape", "tiny-qwen3", "--batch-sizes", "1", "2",
                "--max-tokens", "32", "--prompt-len", "4", "--repeats", "2",

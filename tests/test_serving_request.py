@@ -352,3 +352,28 @@ def test_guided_decoding_inputs_feed_the_guide(kind: str, guide: str | None, fie
     assert getattr(req.params, field) == (True if guide is None else guide)
     assert req.name_inputs(f"{field} does not compile").startswith(
         "guided_decoding_guide_type" if guide is None else "guided_decoding_guide")
+
+
+def test_top_log_probs_and_token_logit_bias_reach_the_params() -> None:
+    req = parse(return_log_probs=np.array([[True]]),
+                num_top_log_probs=np.array([[3]], np.int32),
+                logit_bias_token_ids=np.array([[7, 9]], np.int32),
+                logit_bias_values=np.array([[-100.0, 2.5]], np.float32))
+    assert req.params.logprobs == 3
+    assert req.params.logit_bias == {7: -100.0, 9: 2.5}
+    assert parse(return_log_probs=np.array([[True]])).params.logprobs == 0
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({"num_top_log_probs": np.array([[2]], np.int32)}, "num_top_log_probs needs"),
+    ({"return_log_probs": np.array([[True]]), "num_top_log_probs": np.array([[21]], np.int32)},
+     "num_top_log_probs must be"),
+    ({"logit_bias_token_ids": np.array([[1, 2]], np.int32),
+      "logit_bias_values": np.array([[1.0]], np.float32)}, "logit_bias_values must have"),
+    ({"logit_bias_token_ids": np.array([[1]], np.int32),
+      "logit_bias_values": np.array([[101.0]], np.float32)}, "logit_bias_values must be"),
+])
+def test_top_log_probs_and_logit_bias_errors_name_the_input(inputs: dict, field: str) -> None:
+    with pytest.raises(RequestError, match=field):
+        parse(**inputs)
+

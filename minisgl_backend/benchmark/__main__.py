@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-SUBCOMMANDS = ("offline", "decode", "serving", "controls", "structured", "speculative",
-               "fp8", "lora", "kernels", "scheduler", "suite", "pack")
+SUBCOMMANDS = ("offline", "decode", "serving", "openai_api", "controls", "structured",
+               "speculative", "fp8", "lora", "kernels", "scheduler", "suite", "pack")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,6 +90,8 @@ STEPS = [
     Step("kernels", "kernels", 300, "kernels --batch-sizes 1 8 64 256 --page-sizes 16 64"),
     Step("serving", "serving-qwen3-0.6b", 600, "serving --shape qwen3-0.6b --page-size 64",
          "triton"),
+    Step("serving", "openai-front-door", 600, "openai_api --concurrency 16 --requests 256",
+         "triton"),
     Step("tp", "offline-llama-3.1-8b-tp2", 300,
          "offline --shape llama-3.1-8b --page-size 64 --tp-size 2", "2gpu"),
     Step("tp", "decode-llama-3.1-8b-tp2", 240,

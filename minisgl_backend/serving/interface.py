@@ -105,6 +105,11 @@ INPUTS: tuple[TritonInput, ...] = (
                 "(each tokenized with special tokens, as TensorRT-LLM does)", dims=(-1,)),
     TritonInput("embedding_bias_weights", "TYPE_FP32", "one bias per `embedding_bias_words` "
                 "entry, added to each of its tokens' logits (sums in [-100, 100])", dims=(-1,)),
+    TritonInput("logit_bias_token_ids", "TYPE_INT32", "token ids whose logits get "
+                "`logit_bias_values` (OpenAI's `logit_bias`; added to the embedding bias)",
+                dims=(-1,)),
+    TritonInput("logit_bias_values", "TYPE_FP32", "one value per `logit_bias_token_ids` "
+                "entry, added to its logit", dims=(-1,)),
     TritonInput("end_id", "TYPE_INT32", "the token id that ends generation, in place of the "
                 "model's EOS (-1: the model's)"),
     TritonInput("pad_id", "TYPE_INT32", "accepted for compatibility: responses carry no "
@@ -120,6 +125,9 @@ INPUTS: tuple[TritonInput, ...] = (
                 "response carries its `sequence_index`; one FINAL per request)", feeds="n"),
     TritonInput("return_log_probs", "TYPE_BOOL", "add `output_log_probs` (each token's "
                 "log-probability under the model) and `cum_log_probs`"),
+    TritonInput("num_top_log_probs", "TYPE_INT32", "with `return_log_probs`: also this many "
+                "most likely tokens at each generated token, in `output_top_log_prob_ids` and "
+                "`output_top_log_probs`"),
     TritonInput("exclude_input_in_output", "TYPE_BOOL", "non-streaming only: leave the prompt "
                 "out of `text_output` (streaming never repeats it); unset: the model's "
                 "`exclude_input_in_output` parameter (true as shipped)"),
@@ -192,6 +200,11 @@ OUTPUTS: tuple[TritonOutput, ...] = (
                  "([1, tokens])", dims=(-1, -1)),
     TritonOutput("cum_log_probs", "TYPE_FP32", "their running sum over the sequence",
                  dims=(-1,)),
+    TritonOutput("output_top_log_prob_ids", "TYPE_INT32", "with `num_top_log_probs`: the most "
+                 "likely tokens at each of the response's tokens ([1, tokens, k])",
+                 dims=(-1, -1, -1)),
+    TritonOutput("output_top_log_probs", "TYPE_FP32", "their log-probabilities ([1, tokens, "
+                 "k])", dims=(-1, -1, -1)),
     TritonOutput("batch_index", "TYPE_INT32", "the request's item (always 0: one prompt per "
                  "request; sent with `sequence_index`)"),
     TritonOutput("context_logits", "TYPE_FP32", "the prompt's logits, [prompt tokens, "

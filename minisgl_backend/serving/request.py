@@ -135,6 +135,16 @@ def text_list(get: GetInput, name: str, max_entries: int, max_length: int,
     return words
 
 
+def int_list(get: GetInput, name: str) -> list[int]:
+    """All values of an optional integer input (any shape)."""
+    array = get(name)
+    if array is None:
+        return []
+    if not _KIND_CHECK["int"](array):
+        raise RequestError(f"{name} must be integers, got dtype {array.dtype}")
+    return [int(v) for v in array.reshape(-1)]
+
+
 def float_list(get: GetInput, name: str) -> list[float]:
     """All values of an optional float input (any shape), each finite."""
     array = get(name)
@@ -263,8 +273,13 @@ def parse_engine_request(get: GetInput, max_tokens_limit: int, tokenizer: Any = 
     scalar(get, "pad_id", "int")  # accepted: responses carry no padding
     scalar(get, "length_penalty", "float")  # accepted: it only affects beam search
     return_log_probs = bool(scalar(get, "return_log_probs", "bool", False))
-    if return_log_probs:
-        values["logprobs"] = 0  # the sampled tokens' log-probabilities, no alternatives
+    top_log_probs = scalar(get, "num_top_log_probs", "int")
+    if top_log_probs is not None and not return_log_probs:
+        raise RequestError("num_top_log_probs needs return_log_probs")
+    if return_log_probs:  # the sampled tokens' log-probabilities, and any alternatives
+        values["logprobs"] = top_log_probs or 0
+        if top_log_probs is not None:
+            given_as["logprobs"] = "num_top_log_probs"
     values.update(_word_controls(get, tokenizer, limits, given_as))
     values.update(_guide(get, limits, given_as))
     flags = {name: bool(scalar(get, name, "bool", False)) for name in (
@@ -370,9 +385,16 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     for word, weight in zip(bias_words, bias_weights):
         for token in tokenizer.encode(word):
             bias[token] = bias.get(token, 0.0) + weight
+    bias_ids, bias_values = int_list(get, "logit_bias_token_ids"), float_list(
+        get, "logit_bias_values")
+    if len(bias_ids) != len(bias_values):
+        raise RequestError(f"logit_bias_values must have one value per logit_bias_token_ids "
+                           f"entry: {len(bias_values)} values for {len(bias_ids)} ids")
+    for token, value in zip(bias_ids, bias_values):
+        bias[token] = bias.get(token, 0.0) + value
     if bias:
         values["logit_bias"] = bias
-        given_as["logit_bias"] = "embedding_bias_weights"
+        given_as["logit_bias"] = "logit_bias_values" if bias_ids else "embedding_bias_weights"
     return values
 
 

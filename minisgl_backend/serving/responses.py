@@ -132,6 +132,10 @@ class Responder:
                                            np.asarray([[output.logprobs or []]], np.float32)))
             tensors.append(pb_utils.Tensor("cum_log_probs", np.asarray(
                 [[output.cumulative_logprob or 0.0]], dtype=np.float32)))
+        if parsed.return_log_probs and parsed.params.logprobs:
+            ids, values = top_log_prob_arrays(output.top_logprobs or [], parsed.params.logprobs)
+            tensors.append(pb_utils.Tensor("output_top_log_prob_ids", ids))
+            tensors.append(pb_utils.Tensor("output_top_log_probs", values))
         if output.context_logits is not None:  # [1, prompt tokens, vocab]
             tensors.append(pb_utils.Tensor("context_logits", output.context_logits[None]))
         generation_logits = output.generation_logits
@@ -159,6 +163,18 @@ def perf_metrics(arrived_ns: int, output: GenerationOutput) -> dict[str, float]:
         "total_accepted_draft_tokens": output.accepted_draft_tokens,
         "total_draft_tokens": output.draft_tokens,
     }
+
+
+def top_log_prob_arrays(top: list[dict[int, float]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's `k` most likely alternatives as ids [1, tokens, k] (int32) and their
+    log-probabilities (float32), most likely first."""
+    ids = np.zeros((1, len(top), k), dtype=np.int32)
+    values = np.full((1, len(top), k), -np.inf, dtype=np.float32)
+    for row, alternatives in enumerate(top):
+        ranked = sorted(alternatives.items(), key=lambda item: -item[1])[:k]
+        ids[0, row, :len(ranked)] = [token for token, _ in ranked]
+        values[0, row, :len(ranked)] = [value for _, value in ranked]
+    return ids, values
 
 
 def _int_tensor(name: str, value: int) -> Any:

@@ -10,7 +10,10 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat messages through the model's chat template, ready for the assistant's answer."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Chat messages (and the functions the model may call, for templates that render them)
+    through the model's chat template, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
