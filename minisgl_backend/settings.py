@@ -119,12 +119,13 @@ class EngineSettings:
         "step (same output)")
     kv_events_endpoint: str = spec_field(
         "", "custom", "KV-cache events (vLLM's format, for KV-aware routers; "
-        "docs/scale-out.md): the ZeroMQ endpoint their PUB socket binds, e.g. `tcp://*:5557`; "
-        f"needs `page_size` >= {KV_EVENTS_MIN_PAGE_SIZE} (empty: no events)",
+        "docs/scale-out.md): the ZeroMQ endpoint of their PUB socket, bound if its host is a "
+        "wildcard (`tcp://*:5557`) and connected to otherwise, as vLLM's; needs `page_size` >= "
+        f"{KV_EVENTS_MIN_PAGE_SIZE} (empty: no events)",
         normalize=_zmq_endpoint, accepts="'' or a ZeroMQ endpoint (tcp://, ipc://, inproc://)")
     kv_events_replay_endpoint: str = spec_field(
-        "", "custom", "KV-cache events: the endpoint of the replay socket (ZeroMQ ROUTER) that "
-        "sends a subscriber the recent messages from a sequence number on (empty: none)",
+        "", "custom", "KV-cache events: the endpoint the replay socket (ZeroMQ ROUTER) binds; "
+        "it sends a subscriber the recent messages from a sequence number on (empty: none)",
         normalize=_zmq_endpoint, accepts="'' or a ZeroMQ endpoint (tcp://, ipc://, inproc://)")
     kv_events_topic: str = spec_field(
         "", "custom", "KV-cache events: the topic of every message", normalize=_text,

@@ -46,18 +46,25 @@ def decode(seq: int, payload: bytes) -> Message:
 
 
 class Subscriber:
-    """A SUB socket on the events' endpoint (all topics, or `topic`), and a DEALER for replays."""
+    """A SUB socket on the events' endpoint (all topics, or `topic`; `bind`: the publisher
+    connects to it), and a DEALER for replays."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
-                 topic: bytes = b"") -> None:
+                 topic: bytes = b"", bind: bool = False) -> None:
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
+        self.sub.bind(endpoint) if bind else self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.messages: list[Message] = []
         self.topics: set[bytes] = set()
         time.sleep(0.3)  # PUB/SUB: messages sent before the subscription arrives are not seen
+
+    def settle(self) -> None:
+        """After a publisher connected to this (bound) subscriber: libzmq sends a bound SUB's
+        subscription to a new peer only once the socket is polled (libzmq issue 2267)."""
+        assert not self.sub.poll(300), "a message came before the subscription was sent"
+        time.sleep(0.2)
 
     def poll(self, quiet_s: float = 1.0, timeout_s: float = 30.0) -> list[Message]:
         """Read messages until none came for `quiet_s`; the new ones, in order."""

@@ -75,12 +75,12 @@ def test_events_off_import_and_bind_nothing() -> None:
 
 def test_small_pages_and_unbindable_endpoints_are_refused(tiny_models: dict[str, Path]) -> None:
     (port,) = free_ports(1)
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = f"tcp://*:{port}"
     with pytest.raises(ValueError, match=r"page_size must be >= 16 when kv_events_endpoint"):
         LLM(tiny_models["llama"], device="cpu", page_size=8, kv_events_endpoint=endpoint)
     context = zmq.Context()
     taken = context.socket(zmq.PUB)
-    taken.bind(endpoint)
+    taken.bind(f"tcp://127.0.0.1:{port}")
     try:
         with pytest.raises(ValueError, match=r"kv_events_endpoint: cannot bind"):
             LLM(tiny_models["llama"], device="cpu", page_size=PAGE, kv_events_endpoint=endpoint)
@@ -90,15 +90,24 @@ def test_small_pages_and_unbindable_endpoints_are_refused(tiny_models: dict[str,
 
 
 class Instance:
-    """An `LLM` publishing events, and a subscriber that connected before its first request."""
+    """An `LLM` publishing events, and a subscriber there before its first request. Local
+    endpoints in `folder` are bound by the engine; with `connect`, the subscriber binds a
+    loopback TCP port and the engine connects to it (as to llm-d's indexer)."""
 
-    def __init__(self, model: Path, replay: bool = False, **settings: Any) -> None:
-        pub, rep = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    def __init__(self, model: Path, folder: Path, replay: bool = False, connect: bool = False,
+                 **settings: Any) -> None:
+        pub, rep = f"ipc://{folder}/events", f"ipc://{folder}/replay"
+        if connect:
+            pub = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+            self.subscriber = Subscriber(pub, bind=True)
         self.llm = LLM(model, device="cpu", page_size=PAGE, kv_events_endpoint=pub,
                        kv_events_replay_endpoint=rep if replay else "", kv_events_topic="kv",
                        hooks=CHECKED, **settings)
         self.endpoints = (pub, rep if replay else None)
-        self.subscriber = Subscriber(pub, rep if replay else None)
+        if connect:
+            self.subscriber.settle()
+        else:
+            self.subscriber = Subscriber(*self.endpoints)
 
     def run(self, prompt: list[int], params: SamplingParams = GREEDY,
             lora: str | None = None) -> tuple[list[int], list]:
@@ -113,13 +122,13 @@ class Instance:
 
 @pytest.fixture(scope="module")
 def instances(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """Two engines of one model: `a` with a replay socket and a LoRA adapter, `b` with a KV
-    pool of 24 pages and n-gram speculative decoding."""
+    """Two engines of one model: `a` with a replay socket and a LoRA adapter, `b` connecting to
+    its subscriber, with a KV pool of 24 pages and n-gram speculative decoding."""
     model = tiny_models["llama"]
-    adapter = make_adapter(model, tmp_path_factory.mktemp("kv-events") / "tuned", 4, 8,
-                           ["q_proj", "v_proj"], False, seed=0)
-    a = Instance(model, replay=True, lora_adapters=f"tuned={adapter}", max_lora_rank=4)
-    b = Instance(model, max_total_tokens=24 * PAGE, speculative="ngram")
+    folder = tmp_path_factory.mktemp("kv-events")
+    adapter = make_adapter(model, folder / "tuned", 4, 8, ["q_proj", "v_proj"], False, seed=0)
+    a = Instance(model, folder, replay=True, lora_adapters=f"tuned={adapter}", max_lora_rank=4)
+    b = Instance(model, folder, connect=True, max_total_tokens=24 * PAGE, speculative="ngram")
     yield a, b
     a.close()
     b.close()

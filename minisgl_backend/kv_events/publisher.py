@@ -29,20 +29,26 @@ SEND_HWM = 100_000  # messages ZeroMQ queues per subscriber before dropping for 
 _STORED, _REMOVED, _CLEARED = range(3)
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: an endpoint with a wildcard host, or a local transport, is bound (routers
+    connect to it); any other is connected to (a router whose subscriber binds)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class KvEventPublisher:
-    """Publishes the prefix cache's events on `endpoint` (bound: routers connect), answers
-    replay requests on `replay_endpoint` (None: no replay socket)."""
+    """Publishes the prefix cache's events on `endpoint` (bound or connected: `binds`), answers
+    replay requests on `replay_endpoint` (bound; None: no replay socket)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str,
                  ledger: BlockLedger) -> None:
         self._context = zmq.Context.instance()
-        self._pub = self._bind(zmq.PUB, endpoint, "kv_events_endpoint")
+        self._pub = self._open(zmq.PUB, endpoint, "kv_events_endpoint", binds(endpoint))
         self._pub.set_hwm(SEND_HWM)
         self._replay = None
         if replay_endpoint:
             try:
-                self._replay = self._bind(zmq.ROUTER, replay_endpoint,
-                                          "kv_events_replay_endpoint")
+                self._replay = self._open(zmq.ROUTER, replay_endpoint,
+                                          "kv_events_replay_endpoint", bind=True)
             except ValueError:
                 self._pub.close(linger=0)
                 raise
@@ -55,14 +61,15 @@ class KvEventPublisher:
         self._thread = threading.Thread(target=self._run, name="minisgl-kv-events", daemon=True)
         self._thread.start()
 
-    def _bind(self, kind: int, endpoint: str, setting: str) -> Any:
+    def _open(self, kind: int, endpoint: str, setting: str, bind: bool) -> Any:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         try:
-            socket.bind(endpoint)
-        except Exception as exc:  # zmq.ZMQError: address in use, bad address
+            socket.bind(endpoint) if bind else socket.connect(endpoint)
+        except zmq.ZMQError as exc:  # address in use, bad address
             socket.close(linger=0)
-            raise ValueError(f"{setting}: cannot bind {endpoint!r}: {exc}") from None
+            verb = "bind" if bind else "connect to"
+            raise ValueError(f"{setting}: cannot {verb} {endpoint!r}: {exc}") from None
         return socket
 
     # ----- the prefix cache's reports (scheduler thread) ---------------------------------
