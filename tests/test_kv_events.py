@@ -121,7 +121,8 @@ class Instance:
 
 
 @pytest.fixture(scope="module")
-def instances(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def instances(tiny_models: dict[str, Path],  # noqa: ANN201
+              tmp_path_factory: pytest.TempPathFactory):
     """Two engines of one model: `a` with a replay socket and a LoRA adapter, `b` connecting to
     its subscriber, with a KV pool of 24 pages and n-gram speculative decoding."""
     model = tiny_models["llama"]

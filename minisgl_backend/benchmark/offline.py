@@ -14,9 +14,10 @@ call, as serving does; `--detokenize off` leaves it out, `both` runs without the
 `--vary` adds runs with engine settings changed (each a fresh engine, compared to the first
 run): CUDA graphs (`cuda_graph_max_bs=0`), overlap (`overlap=false`), the prefix cache
 (`--workload shared-prefix --vary cache=naive`), KV-cache events (`--page-size 16 --vary
-kv_events_endpoint=ipc:///tmp/minisgl-events`: a subscriber drains them during the run). `--compare-hf` (greedy requests of one
-length) also runs HF transformers `generate` on the same prompt ids, batched with left padding
-and one prompt at a time, and (real weights) counts the prompts whose greedy tokens equal HF's.
+kv_events_endpoint=ipc:///tmp/minisgl-events`: a subscriber drains them during the run).
+`--compare-hf` (greedy requests of one length) also runs HF transformers `generate` on the same
+prompt ids, batched with left padding and one prompt at a time, and (real weights) counts the
+prompts whose greedy tokens equal HF's.
 """
 
 from __future__ import annotations
