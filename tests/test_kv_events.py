@@ -248,3 +248,15 @@ def test_rejected_drafts_are_never_stored(instances) -> None:
     assert speculator.drafted - drafted > speculator.accepted - accepted  # some were rejected
     blocks = stored_blocks(messages)
     assert len(chain_of(blocks, tokens, PAGE)) == (len(tokens) - 1) // PAGE == len(blocks)
+
+
+def test_tensor_parallel_ranks_publish_once(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Two ranks, one publisher (the scheduler's): every page is stored once."""
+    engine = Instance(tiny_models["llama"], tmp_path, tp_size=2)
+    try:
+        tokens, messages = engine.run(_prompt(12, 50))
+    finally:
+        engine.close()
+    hashes = [h for e in events_of(messages, "BlockStored") for h in e["block_hashes"]]
+    assert len(hashes) == len(set(hashes)) == (len(tokens) - 1) // PAGE
+    assert len(chain_of(stored_blocks(messages), tokens, PAGE)) == len(hashes)

@@ -95,7 +95,7 @@ def timed_generate(args: argparse.Namespace, folder: Path, workload: Workload, v
         with drained_events(endpoint) as counts:
             seconds, outputs, pauses = time_workload(llm, workload, vocab, args.seed)
     return seconds, outputs, f"{pauses}; KV-cache events drained: {counts[0]} messages, " \
-        f"{counts[1]} bytes"
+        f"{counts[1]} bytes; the publisher thread's CPU: {counts[2]:.2f} s"
 
 
 def time_workload(llm: LLM, workload: Workload, vocab: int,
