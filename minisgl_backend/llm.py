@@ -123,6 +123,11 @@ class LLM:
         """Stop serving adapter `name` to new requests (those already queued finish under it)."""
         self.scheduler.loras.unregister(name)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (KV-cache events: `AllBlocksCleared`); False, dropping
+        nothing, while a request runs or waits."""
+        return self.scheduler.reset_prefix_cache()
+
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

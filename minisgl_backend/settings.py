@@ -21,6 +21,10 @@ from minisgl_backend.speculative.config import SpeculativeConfig
 
 FUSED_GEMV_MAX_BS = 16  # rows the few-rows GEMV kernel takes (kernels/gemv.py MAX_ROWS)
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+# KV-cache events report pages as blocks; routers hash and match blocks of at least this many
+# tokens (vLLM's smallest block), and smaller ones would flood them with events.
+KV_EVENTS_MIN_PAGE_SIZE = 16
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 def _attention_backend(value: object) -> str:
@@ -29,6 +33,19 @@ def _attention_backend(value: object) -> str:
         raise ValueError(value)
     parts = [part.strip() for part in value.split(",")]
     if value != "auto" and (len(parts) > 2 or any(p not in ATTENTION_BACKENDS for p in parts)):
+        raise ValueError(value)
+    return value
+
+
+def _zmq_endpoint(value: object) -> str:
+    """"" (off) or a ZeroMQ endpoint of a bindable transport."""
+    if not isinstance(value, str) or (value and not value.startswith(ZMQ_TRANSPORTS)):
+        raise ValueError(value)
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
         raise ValueError(value)
     return value
 
@@ -100,6 +117,19 @@ class EngineSettings:
     jump_forward: bool = spec_field(
         True, "bool", "structured output: the tokens a grammar forces are verified in one "
         "step (same output)")
+    kv_events_endpoint: str = spec_field(
+        "", "custom", "KV-cache events (vLLM's format, for KV-aware routers; "
+        "docs/scale-out.md): the ZeroMQ endpoint of their PUB socket, bound if its host is a "
+        "wildcard (`tcp://*:5557`) and connected to otherwise, as vLLM's; needs `page_size` >= "
+        f"{KV_EVENTS_MIN_PAGE_SIZE} (empty: no events)",
+        normalize=_zmq_endpoint, accepts="'' or a ZeroMQ endpoint (tcp://, ipc://, inproc://)")
+    kv_events_replay_endpoint: str = spec_field(
+        "", "custom", "KV-cache events: the endpoint the replay socket (ZeroMQ ROUTER) binds; "
+        "it sends a subscriber the recent messages from a sequence number on (empty: none)",
+        normalize=_zmq_endpoint, accepts="'' or a ZeroMQ endpoint (tcp://, ipc://, inproc://)")
+    kv_events_topic: str = spec_field(
+        "", "custom", "KV-cache events: the topic of every message", normalize=_text,
+        accepts="a string")
 
     @property
     def lora_enabled(self) -> bool:
@@ -110,6 +140,12 @@ class EngineSettings:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be an integer >= page_size "
                              f"({self.page_size}), got {self.max_total_tokens!r}")
+        if self.kv_events_endpoint and self.page_size < KV_EVENTS_MIN_PAGE_SIZE:
+            raise ValueError(f"page_size must be >= {KV_EVENTS_MIN_PAGE_SIZE} when "
+                             f"kv_events_endpoint is set (events report whole pages as blocks), "
+                             f"got {self.page_size}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install --quiet "torch==2.13.0"
 fi
-if ! python -c "import minisgl_backend, kernels, transformers, pytest, gguf, triton, xgrammar, jsonschema, fastapi, uvicorn, openai, aiohttp" 2>/dev/null; then
+if ! python -c "import minisgl_backend, kernels, transformers, pytest, gguf, triton, xgrammar, jsonschema, fastapi, uvicorn, openai, aiohttp, zmq, msgpack, yaml" 2>/dev/null; then
   pip install --quiet -r requirements-test.txt
   pip install --quiet --no-deps -e .
 fi

@@ -6,6 +6,7 @@ engine start-up); the others run on their own.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +41,8 @@ RUNS: dict[str, list[str]] = {
     "prefix": ["offline", *COMMON, "--shape", "tiny-qwen3-moe", "--workload", "shared-prefix",
                "--num-requests", "3", "--prefix-len", "48", "--suffix-len", "4",
                "--max-tokens", "2", "--vary", "cache=naive"],
+    "kv-events": ["offline", *COMMON, "--shape", "tiny-qwen3", *TINY_ANCHOR, "--page-size", "16",
+                  "--vary", f"kv_events_endpoint=ipc:///tmp/minisgl-bench-test-{os.getpid()}"],
 }
 TIMEOUT_S = 300
 
@@ -145,6 +148,16 @@ def test_offline_varies_engine_settings(outputs: dict[str, subprocess.CompletedP
     rows = check(outputs["prefix"], OFFLINE, may_be_zero=("prompt cache hits",))
     assert [r["run"] for r in rows] == ["default", "cache=naive"]
     assert rows[1]["prompt cache hits"] == "0.0%"  # the naive cache never shares
+
+
+def test_offline_with_kv_events_drains_them(outputs: dict[str, subprocess.CompletedProcess]
+                                            ) -> None:
+    """Events on against off; the run with them has a subscriber that received them."""
+    run = outputs["kv-events"]
+    rows = check(run, OFFLINE, may_be_zero=("prompt cache hits",))
+    assert [r["run"].split("=")[0] for r in rows] == ["default", "kv_events_endpoint"]
+    drained = re.search(r"KV-cache events drained: (\d+) messages, (\d+) bytes", run.stdout)
+    assert drained and int(drained[1]) > 0 and int(drained[2]) > 0, run.stdout[-2000:]
 
 
 def test_offline_replays_the_detokenizer_alone() -> None:

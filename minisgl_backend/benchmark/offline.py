@@ -13,9 +13,11 @@ call, as serving does; `--detokenize off` leaves it out, `both` runs without the
 `replay` runs no engine: the detokenizer alone on random outputs of the workload's lengths.
 `--vary` adds runs with engine settings changed (each a fresh engine, compared to the first
 run): CUDA graphs (`cuda_graph_max_bs=0`), overlap (`overlap=false`), the prefix cache
-(`--workload shared-prefix --vary cache=naive`). `--compare-hf` (greedy requests of one
-length) also runs HF transformers `generate` on the same prompt ids, batched with left padding
-and one prompt at a time, and (real weights) counts the prompts whose greedy tokens equal HF's.
+(`--workload shared-prefix --vary cache=naive`), KV-cache events (`--page-size 16 --vary
+kv_events_endpoint=ipc:///tmp/minisgl-events`: a subscriber drains them during the run).
+`--compare-hf` (greedy requests of one length) also runs HF transformers `generate` on the same
+prompt ids, batched with left padding and one prompt at a time, and (real weights) counts the
+prompts whose greedy tokens equal HF's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl_backend.benchmark import cli
 from minisgl_backend.benchmark.collector import collector_pauses
+from minisgl_backend.benchmark.kv_events import drained_events
 from minisgl_backend.benchmark.tokenizer import tokenizer_name
 from minisgl_backend.benchmark.workloads import (Workload, anchor_workload, chat_text,
                                                  fixed_workload, random_tokens,
@@ -84,9 +87,15 @@ def make_workload(args: argparse.Namespace, folder: Path, vocab: int) -> Workloa
 
 def timed_generate(args: argparse.Namespace, folder: Path, workload: Workload, vocab: int,
                    overrides: dict[str, Any]) -> tuple[float, list[Any], str]:
-    """`time_workload` on a fresh engine."""
+    """`time_workload` on a fresh engine (its KV-cache events drained, if it publishes any)."""
+    endpoint = cli.llm_kwargs(args, **overrides).get("kv_events_endpoint")
     with cli.make_llm(args, folder, **overrides) as llm:
-        return time_workload(llm, workload, vocab, args.seed)
+        if not endpoint:
+            return time_workload(llm, workload, vocab, args.seed)
+        with drained_events(endpoint) as counts:
+            seconds, outputs, pauses = time_workload(llm, workload, vocab, args.seed)
+    return seconds, outputs, f"{pauses}; KV-cache events drained: {counts[0]} messages, " \
+        f"{counts[1]} bytes; the publisher thread's CPU: {counts[2]:.2f} s"
 
 
 def time_workload(llm: LLM, workload: Workload, vocab: int,

@@ -76,6 +76,9 @@ STEPS = [
          "--vary cuda_graph_max_bs=0 --vary overlap=false"),
     Step("mechanisms", "mechanisms-prefix", 180,
          "offline --shape qwen3-0.6b --workload shared-prefix --vary cache=naive"),
+    Step("mechanisms", "mechanisms-kv-events", 240,
+         "offline --shape qwen3-0.6b --num-requests 64 --page-size 16 "
+         "--vary kv_events_endpoint=ipc:///tmp/minisgl-kv-events"),
     *(Step("controls", f"controls-{s}", 240, f"controls --shape {s} --batch-sizes 1 64 256")
       for s in ("qwen3-0.6b", "llama-3.1-8b")),
     *(Step("structured", f"structured-{s}", 300, f"structured --shape {s} {JSON}")

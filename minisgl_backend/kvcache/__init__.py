@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from minisgl_backend.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, MatchResult
+from minisgl_backend.kvcache.base import (BasePrefixCache, CacheEvents, CacheHandle, InsertResult,
+                                          MatchResult)
 from minisgl_backend.kvcache.naive_cache import NaivePrefixCache
 from minisgl_backend.kvcache.radix_cache import RadixPrefixCache
 
@@ -23,6 +24,7 @@ def create_prefix_cache(kind: str, page_size: int = 1) -> BasePrefixCache:
 
 __all__ = [
     "BasePrefixCache",
+    "CacheEvents",
     "CacheHandle",
     "InsertResult",
     "MatchResult",

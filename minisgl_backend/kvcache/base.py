@@ -12,6 +12,9 @@ Ownership contract between a cache and its caller (the scheduler):
   yet and reports `already_cached_len`: the caller's pages for tokens `[0, already_cached_len)`
   are duplicates the cache did NOT take, and the caller must free them itself when safe.
 * `evict` removes unlocked entries and hands their page ids back to the caller to free.
+* `reset` drops every entry (none may be locked) and hands all their page ids back.
+
+A cache given `events` (a `CacheEvents`) tells it about every page that enters or leaves it.
 
 Everything here is pure Python: token ids and page ids are plain ints.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 class CacheHandle:
@@ -70,6 +73,21 @@ def as_token_list(token_ids: Sequence[int] | Any) -> list[int]:
     return list(token_ids)
 
 
+class CacheEvents(Protocol):
+    """What a prefix cache reports of its pages, in the order it happens (the KV-cache events
+    follow it: `minisgl_backend.kv_events`). Called on the cache's thread: keep it cheap."""
+
+    def stored(self, parent_page: int | None, key: list[int], pages: list[int]) -> None:
+        """`pages` now hold `key` (one page per `page_size` of it), following `parent_page`
+        (the page before them in the cached sequence; None: they start it)."""
+
+    def removed(self, pages: list[int]) -> None:
+        """`pages` left the cache (evicted)."""
+
+    def cleared(self) -> None:
+        """Every page left the cache (a reset)."""
+
+
 class BasePrefixCache(ABC):
     """Abstract page-aligned prefix cache over a paged KV pool."""
 
@@ -80,6 +98,7 @@ class BasePrefixCache(ABC):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
+        self.events: CacheEvents | None = None  # None: nobody listens, no event work at all
 
     # ----------------------------------------------------------------------------- operations
     @abstractmethod
@@ -108,6 +127,11 @@ class BasePrefixCache(ABC):
     def evict(self, num_pages: int) -> list[int]:
         """Evict unlocked entries, least recently used first, until >= `num_pages` pages are freed;
         return their ids. RuntimeError (evicting nothing) when fewer are evictable."""
+
+    @abstractmethod
+    def reset(self) -> list[int]:
+        """Drop every entry and return their page ids. RuntimeError (dropping nothing) while
+        any entry is locked."""
 
     # ---------------------------------------------------------------------------- accounting
     @property

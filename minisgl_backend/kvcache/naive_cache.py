@@ -47,6 +47,10 @@ class NaivePrefixCache(BasePrefixCache):
             f"cannot evict {num_pages} pages: the naive cache holds none (short by {num_pages})"
         )
 
+    def reset(self) -> list[int]:
+        """Nothing to drop: []."""
+        return []
+
     @property
     def evictable_pages(self) -> int:
         """Always 0."""

@@ -139,7 +139,25 @@ class RadixPrefixCache(BasePrefixCache):
             if parent is not self._root and parent is not None and not parent.children and \
                     parent.ref_count == 0:
                 heapq.heappush(heap, (parent.timestamp, parent.uid, parent))
+        if self.events is not None:
+            self.events.removed(freed)
         return freed
+
+    def reset(self) -> list[int]:
+        """Drop the whole tree (nothing may be locked) and return its pages."""
+        if self._protected:
+            raise RuntimeError(f"cannot reset the prefix cache: {self._protected} pages are "
+                               "locked by running requests")
+        pages = self.all_pages()
+        for node in self._iter_nodes():
+            if node is not self._root:
+                node.parent = None  # handles to dropped nodes are stale; the root's stay valid
+        self._root.children.clear()
+        self._leaves.clear()
+        self._evictable = 0
+        if self.events is not None:
+            self.events.cleared()
+        return pages
 
     @property
     def evictable_pages(self) -> int:
@@ -267,6 +285,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._evictable += leaf.num_pages
+        if self.events is not None:
+            self.events.stored(parent.value[-1] if parent.value else None, key, value)
         return leaf
 
     def _remove_leaf(self, leaf: RadixTreeNode) -> None:

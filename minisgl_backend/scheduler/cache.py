@@ -11,9 +11,7 @@ from typing import Iterable
 
 from minisgl_backend.core import Req, wants_context_logits
 from minisgl_backend.kvcache import BasePrefixCache, CacheHandle, MatchResult
-
-
-ADAPTER_KEY_SHIFT = 32  # token ids stay below 2**32
+from minisgl_backend.kvcache.keys import cache_key
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -50,14 +48,9 @@ class CacheManager:
         return self.long_rope_from - req.cached_len
 
     def _key(self, req: Req, length: int) -> list[int]:
-        """The prefix cache's key of `req`'s first `length` tokens. KV computed under a LoRA
-        adapter, or with LongRoPE's long frequencies, differs from the base model's for the
-        same tokens: it is keyed apart (ids moved past every vocabulary by the adapter's id;
-        long-frequency ids mapped below zero), so that a prefix hit never mixes them."""
-        tokens = req.input_ids[:length]
-        if req.lora_id:
-            tokens = [t + (req.lora_id << ADAPTER_KEY_SHIFT) for t in tokens]
-        return [-1 - t for t in tokens] if req.long_rope else tokens
+        """The prefix cache's key of `req`'s first `length` tokens (`kvcache.keys`: a prefix
+        hit never mixes KV of another adapter or frequency set)."""
+        return cache_key(req.input_ids[:length], req.lora_id, req.long_rope)
 
     def match(self, req: Req) -> MatchResult:
         """Longest cached prefix of the prefill, leaving at least one token to compute; locked.

@@ -29,6 +29,7 @@ from minisgl_backend.engine.config import EngineConfig
 from minisgl_backend.engine.protocol import StepMessage, StepReply, masks_ready
 from minisgl_backend.engine.sampler import seed_to_int64
 from minisgl_backend.grammar import GrammarCompilerCache, Guide, fill_masks, guide_of
+from minisgl_backend.kv_events import kv_event_publisher
 from minisgl_backend.kvcache import create_prefix_cache
 from minisgl_backend.profiling import profiled
 from minisgl_backend.scheduler.cache import CacheManager, pages_for
@@ -107,6 +108,12 @@ class _Abort:
     uid: int
 
 
+@dataclass
+class _Reset:
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
 def complete_step(req: Req, cache: CacheManager, decode: DecodeManager) -> bool:
     """Record that a step computed `req`'s scheduled tokens; True if its sampled token counts.
 
@@ -156,6 +163,13 @@ class Scheduler:
         self.rows = RowAllocator(config.engine.max_running_requests)
         self.loras = AdapterSlots(config.engine.lora_adapters, config.engine.max_loras,
                                   config.engine.max_cpu_loras)
+        try:
+            self.kv_events = kv_event_publisher(config.engine, config.engine.device_type,
+                                                self.loras.names.get)
+        except ValueError:
+            self.engine.shutdown()
+            raise
+        self.cache.prefix_cache.events = self.kv_events
         self.prefill = PrefillManager(self.cache, self.rows, config.engine.chunked_prefill_size,
                                       config.engine.max_running_requests, self.loras)
         self.decode = DecodeManager()
@@ -182,7 +196,7 @@ class Scheduler:
         self._shut_down = False
         self._next_uid = 0
         self._uid_lock = threading.Lock()
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Reset | None] = queue.SimpleQueue()
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="minisgl-scheduler", daemon=True)
         self._thread.start()
@@ -263,6 +277,17 @@ class Scheduler:
     def abort(self, uid: int) -> None:
         self._inbox.put(_Abort(uid))
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (the KV-cache events report it); False, dropping nothing,
+        while any request is queued or running, or once the scheduler has stopped."""
+        reset = _Reset()
+        with self._uid_lock:  # queued under the lock: nothing is queued after shutdown's None
+            if self._shut_down or not self._thread.is_alive():
+                return False
+            self._inbox.put(reset)
+        reset.done.wait()
+        return reset.ok
+
     @property
     def alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
@@ -283,6 +308,8 @@ class Scheduler:
             self._inbox.put(None)
             self._thread.join()
         self.engine.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     # ----- scheduler thread -----------------------------------------------------------------
 
@@ -331,6 +358,8 @@ class Scheduler:
             try:
                 if isinstance(item, _Abort):
                     self._abort(item.uid)
+                elif isinstance(item, _Reset):
+                    self._reset_cache(item)
                 else:
                     self._accept(item)
             except Exception as exc:  # a bug: fail every request rather than hang them
@@ -352,6 +381,14 @@ class Scheduler:
                 req.guide = Guide(req.grammar, tracker.stop_ids, guide_of(req.sampling_params))
             self.trackers[req.uid] = tracker
             self.prefill.add(req)
+
+    def _reset_cache(self, reset: _Reset) -> None:
+        try:
+            if not self.trackers and not self._busy and self._dead is None:
+                self.cache.free(self.cache.prefix_cache.reset())
+                reset.ok = True
+        finally:
+            reset.done.set()
 
     def _abort(self, uid: int) -> None:
         for member in range(uid, uid + self.group_size.pop(uid, 1)):

@@ -21,6 +21,45 @@ def _family(name: str, description: str, kind: Any) -> Any:
     return pb_utils.MetricFamily(name=name, description=description, kind=kind)
 
 
+def _router_family(name: str, description: str, kind: Any) -> Any:
+    """A metric by vLLM's name (with a colon); where Triton refused the colon, the same name
+    with an underscore (docs/scale-out.md: which router setting maps it back)."""
+    try:
+        return _family(name, description, kind)
+    except Exception as exc:  # noqa: BLE001 - whatever the metric API raises
+        logger.warning("metric %s published as %s: %s", name, name.replace(":", "_"), exc)
+        return _family(name.replace(":", "_"), description, kind)
+
+
+class RouterMetrics:
+    """What KV- and load-aware routers read, by vLLM's names (label `model_name`, as vLLM's):
+    requests waiting and running, the share of the KV pool held by admitted requests, and the
+    prefix cache's queried and hit prompt tokens. llm-d's endpoint picker, Dynamo's and
+    SGLang's routers scrape these; the `minisgl_*` metrics say the same in more detail."""
+
+    def __init__(self, model_name: str) -> None:
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        labels = {"model_name": model_name}
+        self._families = [
+            _router_family("vllm:num_requests_waiting", "Requests waiting for admission", gauge),
+            _router_family("vllm:num_requests_running", "Requests admitted to the engine", gauge),
+            _router_family("vllm:kv_cache_usage_perc", "Share of the KV pool held by admitted "
+                           "requests (1: all of it)", gauge),
+            _router_family("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the "
+                           "prefix cache", counter),
+            _router_family("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix "
+                           "cache", counter),
+        ]
+        (self.waiting, self.running, self.kv_usage, self.queries,
+         self.hits) = (family.Metric(labels=labels) for family in self._families)
+
+    @staticmethod
+    def gauge_values(stats: SchedulerStats) -> tuple[float, ...]:
+        """The values of (`waiting`, `running`, `kv_usage`)."""
+        return (stats.waiting, stats.running,
+                stats.kv_pages_in_use / max(1, stats.kv_pages_total))
+
+
 class LoraMetrics:
     """Requests per adapter, running and waiting (label `adapter`), the adapters on the device,
     and vLLM's `vllm:lora_requests_info`: one sample whose labels list the running and waiting
@@ -115,10 +154,12 @@ class EngineMetrics:
         self.acceptance = acceptance.Metric(labels=labels)
         self.accepted_per_step = accepted_per_step.Metric(labels=labels)
         self.drafts = drafts.Metric(labels=labels)
+        self.router = RouterMetrics(model_name)
         self._drafts_sent = 0
         self._model_name = model_name
         self._gauges = (self.pages_total, self.pages_in_use, self.pages_cached, self.running,
-                        self.waiting, self.acceptance, self.accepted_per_step)
+                        self.waiting, self.acceptance, self.accepted_per_step,
+                        self.router.waiting, self.router.running, self.router.kv_usage)
         self._gauge_values: tuple[float, ...] = (-1,) * len(self._gauges)  # nothing set yet
         # Counted by record_output, sent by flush (both on the response thread).
         self._pending_generated = self._pending_prompt = self._pending_cached = 0
@@ -151,7 +192,8 @@ class EngineMetrics:
         values = (stats.kv_pages_total, stats.kv_pages_in_use, stats.kv_pages_cached,
                   stats.running, stats.waiting,
                   stats.accepted_draft_tokens / max(1, stats.draft_tokens),
-                  stats.accepted_draft_tokens / max(1, stats.verified_rows))
+                  stats.accepted_draft_tokens / max(1, stats.verified_rows),
+                  *self.router.gauge_values(stats))
         if stats.draft_tokens > self._drafts_sent:
             self.drafts.increment(stats.draft_tokens - self._drafts_sent)
             self._drafts_sent = stats.draft_tokens
@@ -172,14 +214,15 @@ class EngineMetrics:
             self._pending_cached += out.cached_tokens
 
     def flush(self) -> None:
-        """Send what `record_output` counted since the last flush: at most three counter
+        """Send what `record_output` counted since the last flush: at most five counter
         updates, plus one observation per new request."""
-        for counter, attr in ((self.generated, "_pending_generated"),
-                              (self.prompt, "_pending_prompt"),
-                              (self.prompt_cached, "_pending_cached")):
+        for counters, attr in (((self.generated,), "_pending_generated"),
+                               ((self.prompt, self.router.queries), "_pending_prompt"),
+                               ((self.prompt_cached, self.router.hits), "_pending_cached")):
             value = getattr(self, attr)
             if value:
-                counter.increment(value)
+                for counter in counters:
+                    counter.increment(value)
                 setattr(self, attr, 0)
         for seconds in self._pending_ttft:
             self.ttft.observe(seconds)
