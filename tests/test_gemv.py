@@ -132,7 +132,7 @@ def test_decoder_layers_with_fused_gemvs_match_their_usual_path(
         ctx = Context(16, None, MixingAttention(), fused_gemv_max_rows=max_rows)
         set_global_ctx(ctx)
         try:
-            with ctx.forward_batch(SimpleNamespace(is_decode=True)), torch.no_grad():
+            with ctx.forward_batch(SimpleNamespace(is_decode=True, lora=None)), torch.no_grad():
                 h, residual = x.clone(), None
                 for layer in model.model.layers:
                     h, residual = layer(h, residual, positions, model.rope)
