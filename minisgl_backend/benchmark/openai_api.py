@@ -1,8 +1,8 @@
 """The OpenAI front door's overhead: the same requests through it and straight to `minisgl`.
 
 One tritonserver serves a copy of `model_repository/minisgl` (`--model`'s checkpoint and the
-engine settings given as its parameters) and one front door (`python -m minisgl_backend.openai_server`) stands in
-front of it. A fixed workload (random token-id prompts, greedy, exactly `--output-tokens` each)
+engine settings given as its parameters) and one front door (`python -m
+minisgl_backend.openai_server`) stands in front of it. A fixed workload (random token-id prompts, greedy, exactly `--output-tokens` each)
 goes at `--concurrency` (the next request sent when one ends), streamed, both ways: to
 `/v1/completions` (prompts as token ids, SSE with the usage chunk) and to the `minisgl` model over
 tritonclient's asyncio gRPC streaming, one stream per request as the front door opens them.
