@@ -319,9 +319,9 @@ def test_front_door_metrics_and_request_ids(door: FrontDoor) -> None:
 
 
 def test_litellm_openai_provider(door: FrontDoor) -> None:
-    out = run_client(client_python("litellm"), "litellm_openai_client.py",
-                     {"api_base": door.base_url, "api_key": door.key, "model": NAME,
-                      "messages": CAPITAL, "max_tokens": 32})
+    out = run_client(client_python("litellm"), "litellm_client.py",
+                     {"api_base": door.base_url, "api_key": door.key, "model": f"openai/{NAME}",
+                      "messages": CAPITAL, "max_tokens": 32, "temperature": 0})
     assert "Paris" in out["text"], out
     assert "".join(out["stream_deltas"]) == out["text"]
     whole = door.client().chat.completions.create(model=NAME, messages=CAPITAL, max_tokens=32,
