@@ -135,25 +135,18 @@ def text_list(get: GetInput, name: str, max_entries: int, max_length: int,
     return words
 
 
-def int_list(get: GetInput, name: str) -> list[int]:
-    """All values of an optional integer input (any shape)."""
+_LIST_KIND = {"int": "integers", "float": "float"}
+
+
+def value_list(get: GetInput, name: str, kind: str) -> list[Any]:
+    """All values of an optional "int" or "float" input (any shape); floats each finite."""
     array = get(name)
     if array is None:
         return []
-    if not _KIND_CHECK["int"](array):
-        raise RequestError(f"{name} must be integers, got dtype {array.dtype}")
-    return [int(v) for v in array.reshape(-1)]
-
-
-def float_list(get: GetInput, name: str) -> list[float]:
-    """All values of an optional float input (any shape), each finite."""
-    array = get(name)
-    if array is None:
-        return []
-    if not _KIND_CHECK["float"](array):
-        raise RequestError(f"{name} must be float, got dtype {array.dtype}")
-    values = [float(v) for v in array.reshape(-1)]
-    if not all(math.isfinite(v) for v in values):
+    if not _KIND_CHECK[kind](array):
+        raise RequestError(f"{name} must be {_LIST_KIND[kind]}, got dtype {array.dtype}")
+    values = [(int if kind == "int" else float)(v) for v in array.reshape(-1)]
+    if kind == "float" and not all(math.isfinite(v) for v in values):
         raise RequestError(f"{name} must hold finite numbers")
     return values
 
@@ -370,7 +363,7 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
                                                 ("embedding_bias_words", True)))
     if stop:
         values["stop"] = stop
-    bias_weights = float_list(get, "embedding_bias_weights")
+    bias_weights = value_list(get, "embedding_bias_weights", "float")
     if len(bias_words) != len(bias_weights):
         raise RequestError(f"embedding_bias_weights must have one weight per "
                            f"embedding_bias_words entry: {len(bias_weights)} weights for "
@@ -385,8 +378,8 @@ def _word_controls(get: GetInput, tokenizer: Any, limits: RequestPolicy,
     for word, weight in zip(bias_words, bias_weights):
         for token in tokenizer.encode(word):
             bias[token] = bias.get(token, 0.0) + weight
-    bias_ids, bias_values = int_list(get, "logit_bias_token_ids"), float_list(
-        get, "logit_bias_values")
+    bias_ids = value_list(get, "logit_bias_token_ids", "int")
+    bias_values = value_list(get, "logit_bias_values", "float")
     if len(bias_ids) != len(bias_values):
         raise RequestError(f"logit_bias_values must have one value per logit_bias_token_ids "
                            f"entry: {len(bias_values)} values for {len(bias_ids)} ids")
