@@ -69,6 +69,8 @@ class CudaGraphRunner:
             self._lora_blocks = max_blocks(self.max_bs, lora_slots)
             self.lora_table = torch.zeros(self.max_bs + 3 * self._lora_blocks,
                                           dtype=torch.int64, device=device)
+            # A staged step's LoRA rows: the whole table (`run` replays the LoRA graph for it).
+            self.staged_lora = self.lora_rows(self.max_bs)
         # Keyed by (batch size, whether the graph adds the LoRA delta).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
@@ -110,7 +112,9 @@ class CudaGraphRunner:
         from kernels.lora import pack_blocks
 
         packed, _ = pack_blocks(token_slots, self.max_bs, self._lora_blocks)
-        host = torch.from_numpy(packed).pin_memory()
+        host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = packed
+        # The caching host allocator keeps `host` until this copy has run.
         self.lora_table.copy_(host, non_blocking=True)
 
     def lora_rows(self, bs: int) -> LoraRows:

@@ -467,7 +467,7 @@ class Engine:
                 host, *new_pages, lora_slots=lora_slots)
             self._enter_pages(*pages_t)
             if lora_slots is not None:
-                lora = runner.lora_rows(runner.max_bs)  # a flag for `run`: the table is staged
+                lora = runner.staged_lora
         else:
             if lora_slots is not None:
                 lora = LoraRows.of(lora_slots, self.device)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minisgl_backend.device_copy import host_to_device
+
 
 @dataclass
 class LoraStack:
@@ -41,8 +43,8 @@ class LoraRows:
             from kernels.lora import pack_blocks, split_blocks
 
             packed, num_blocks = pack_blocks(token_slots)
-            table = torch.from_numpy(packed).to(device, non_blocking=True)
-            return LoraRows([], split_blocks(table, len(token_slots), num_blocks))
+            return LoraRows([], split_blocks(host_to_device(packed, device), len(token_slots),
+                                             num_blocks))
         slots = np.unique(token_slots[token_slots >= 0])
         return LoraRows([(int(s), torch.from_numpy(np.nonzero(token_slots == s)[0]).to(device))
                          for s in slots])
