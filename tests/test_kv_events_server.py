@@ -3,7 +3,7 @@
 Two servers of the default model publish events (page size 16): `a` with a 24-page KV pool, a
 replay socket and a topic, `b` with the default pool. A subscriber written from vLLM's
 published layout (tests/kv_event_subscriber.py) reads them. Requests go to the `minisgl` model
-with `input_ids`, so that the test knows every token. The session's server (events off) shows
+with `input_ids`, so that the test knows every token. The shared test server (events off) shows
 that nothing is bound without them.
 """
 

@@ -2,7 +2,8 @@
 
 One tritonserver serves a copy of `model_repository/minisgl` (`--model`'s checkpoint and the
 engine settings given as its parameters) and one front door (`python -m
-minisgl_backend.openai_server`) stands in front of it. A fixed workload (random token-id prompts, greedy, exactly `--output-tokens` each)
+minisgl_backend.openai_server`) stands in front of it. A fixed workload (random token-id
+prompts, greedy, exactly `--output-tokens` each)
 goes at `--concurrency` (the next request sent when one ends), streamed, both ways: to
 `/v1/completions` (prompts as token ids, SSE with the usage chunk) and to the `minisgl` model over
 tritonclient's asyncio gRPC streaming, one stream per request as the front door opens them.
@@ -77,13 +78,13 @@ async def grpc_request(client: Any, prompt: list[int], max_tokens: int, rid: str
     return tokens
 
 
-async def front_door_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
+async def front_door_request(http: aiohttp.ClientSession, url: str, prompt: list[int],
                              max_tokens: int) -> int:
     """One streamed completion; the tokens its usage chunk reports."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens, done = 0, 0
-    async with session.post(url, json=body) as resp:
+    async with http.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{resp.status}: {await resp.text()}")
         async for line in resp.content:
@@ -117,13 +118,13 @@ async def measure(args: argparse.Namespace, grpc_url: str, openai_url: str,
 
     client = grpcaio.InferenceServerClient(grpc_url)
     runs: dict[str, list[tuple[float, int]]] = {GRPC: [], FRONT_DOOR: []}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         def sender(path: str, load: Workload) -> Callable[[int], Awaitable[int]]:
             def send(i: int) -> Awaitable[int]:
                 max_tokens = load.params[i].max_tokens
                 if path == GRPC:
                     return grpc_request(client, load.prompts[i], max_tokens, f"bench-{i}")
-                return front_door_request(session, openai_url, load.prompts[i], max_tokens)
+                return front_door_request(http, openai_url, load.prompts[i], max_tokens)
             return send
 
         for path in runs:
